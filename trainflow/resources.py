@@ -1,0 +1,157 @@
+"""Decide, before anything starts, which devices a launch gets: GPUs of a named type, or CPU ranks.
+
+`resolve_resources` is a pure function of the request and a `GpuInventory`, so the GPU branches
+are testable on a machine without GPUs by passing an inventory in.
+"""
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+CPU_FALLBACK_ENV = "TRAINFLOW_CPU_FALLBACK"
+
+
+class ResourceError(ValueError):
+    """The requested GPUs do not exist on this machine (raised before any process starts)."""
+
+
+@dataclass(frozen=True)
+class GpuInventory:
+    """The GPUs visible on this node, by name (e.g. `"NVIDIA H100 80GB HBM3"`)."""
+
+    names: tuple[str, ...] = ()
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    def describe(self) -> str:
+        if not self.names:
+            return "no GPU"
+        counts: dict[str, int] = {}
+        for name in self.names:
+            counts[name] = counts.get(name, 0) + 1
+        return ", ".join(f"{n}x {name}" for name, n in counts.items())
+
+    @classmethod
+    def detect(cls) -> "GpuInventory":
+        """GPUs visible to this process, without creating a CUDA context in the caller.
+
+        `nvidia-smi` gives names without touching CUDA; torch's NVML-based count is the fallback.
+        `CUDA_VISIBLE_DEVICES` is honoured either way.
+        """
+        names: list[str] = []
+        if shutil.which("nvidia-smi"):
+            try:
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    check=True,
+                ).stdout
+                names = [line.strip() for line in out.splitlines() if line.strip()]
+            except (subprocess.SubprocessError, OSError):
+                names = []
+        if not names:
+            import torch
+
+            names = ["unknown GPU"] * torch.cuda.device_count()
+            return cls(tuple(names))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            picked = [v.strip() for v in visible.split(",") if v.strip()]
+            names = [names[int(i)] for i in picked if i.isdigit() and int(i) < len(names)]
+        return cls(tuple(names))
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What a launch will use: the device kind and how many ranks on each node."""
+
+    device: Literal["cuda", "cpu"]
+    nproc_per_node: int
+    nnodes: int
+    gpu_name: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def _tokens(name: str) -> list[str]:
+    return [t for t in re.split(r"[\s\-_/]+", name.upper()) if t]
+
+
+def gpu_name_matches(requested: str, actual: str) -> bool:
+    """Whole-word match: "A10" matches "NVIDIA A10" but not "NVIDIA A100-SXM4-80GB"."""
+    want, have = _tokens(requested), _tokens(actual)
+    if not want:
+        return False
+    return any(have[i : i + len(want)] == want for i in range(len(have) - len(want) + 1))
+
+
+def resolve_resources(
+    gpus: int,
+    gpu_type: str | None,
+    nnodes: int = 1,
+    inventory: GpuInventory | None = None,
+) -> Resources:
+    """Turn `gpus`/`gpu_type`/`nnodes` into a launch plan, or fail with a clear error.
+
+    Args:
+        gpus: Total number of ranks across all nodes (one GPU each when on GPUs).
+        gpu_type: None for "whatever this machine has", "cpu" to force CPU ranks, or a GPU
+            name such as "H100" that must match the GPUs present.
+        nnodes: Number of nodes; `gpus` must divide evenly across them.
+        inventory: GPUs on this node; detected when not given.
+
+    Raises:
+        ResourceError: on a bad count, a GPU type that is not present (unless
+            TRAINFLOW_CPU_FALLBACK=1), or more ranks per node than GPUs.
+    """
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise ResourceError(f"gpus must be a positive integer, got {gpus!r}")
+    if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
+        raise ResourceError(f"nnodes must be a positive integer, got {nnodes!r}")
+    if gpus % nnodes:
+        raise ResourceError(
+            f"gpus={gpus} does not divide evenly across nnodes={nnodes}: "
+            "each node runs gpus // nnodes ranks"
+        )
+    per_node = gpus // nnodes
+    if gpu_type is not None and gpu_type.strip().lower() == "cpu":
+        return Resources("cpu", per_node, nnodes)
+
+    inventory = inventory if inventory is not None else GpuInventory.detect()
+    if gpu_type is None:
+        if inventory.count == 0:
+            return Resources("cpu", per_node, nnodes)
+        matching = inventory.names
+    else:
+        matching = tuple(n for n in inventory.names if gpu_name_matches(gpu_type, n))
+        if not matching:
+            message = (
+                f"gpu_type={gpu_type!r} requested, but this machine has {inventory.describe()}"
+            )
+            if os.environ.get(CPU_FALLBACK_ENV) == "1":
+                logger.warning("%s; %s=1, so running %d CPU ranks", message, CPU_FALLBACK_ENV,
+                               per_node)
+                return Resources("cpu", per_node, nnodes)
+            raise ResourceError(
+                f"{message}. Set gpu_type=None to use what is present, gpu_type='cpu' for CPU "
+                f"ranks, or {CPU_FALLBACK_ENV}=1 to fall back to CPU ranks with a warning."
+            )
+    if per_node > len(matching):
+        raise ResourceError(
+            f"gpus={gpus} over nnodes={nnodes} needs {per_node} GPUs per node"
+            + (f" of type {gpu_type!r}" if gpu_type else "")
+            + f", but this machine has {inventory.describe()}"
+        )
+    return Resources("cuda", per_node, nnodes, gpu_name=matching[0])
