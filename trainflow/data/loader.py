@@ -1,0 +1,147 @@
+"""Read a prepared split inside a rank: `StreamingDataset` + `StreamingDataLoader`, resumable.
+
+    from trainflow.data import LoaderConfig, build_dataloader
+    loader = build_dataloader(uri, "train", LoaderConfig(batch_size=8, seed=0))
+    for batch in loader: ...
+    state = loader.state_dict()               # save with the checkpoint (same on every rank)
+    loader = build_dataloader(uri, "train", cfg, state=state)   # continues at that sample
+
+Partitioning comes from the launcher's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+`LOCAL_WORLD_SIZE`), which `streaming` reads itself. The sample order is a function of the
+seed and `num_canonical_nodes` only, so a run resumed on a different number of ranks continues
+the same global order. No Prefect here: this runs on every rank.
+"""
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from streaming import StreamingDataLoader, StreamingDataset
+from streaming.base.util import clean_stale_shared_memory
+
+from trainflow.data.config import LoaderConfig
+from trainflow.data.errors import DataError
+from trainflow.data.paths import join_uri, stream_cache_dir
+from trainflow.data.store import read_manifest
+
+logger = logging.getLogger(__name__)
+
+_STATE_KEYS = {"epoch", "sample_in_epoch", "num_canonical_nodes", "shuffle_seed"}
+_shm_cleaned = False
+
+
+class PadCollate:
+    """Collate samples into tensors, right-padding variable-length 1-D arrays.
+
+    Args:
+        pad_values: Padding value per column (default 0), e.g.
+            `{"input_ids": tokenizer.pad_token_id}`.
+    """
+
+    def __init__(self, pad_values: dict[str, int] | None = None) -> None:
+        self.pad_values = pad_values or {}
+
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor | list[str]]:
+        batch: dict[str, torch.Tensor | list[str]] = {}
+        for key in samples[0]:
+            values = [s[key] for s in samples]
+            if isinstance(values[0], str):
+                batch[key] = values
+            elif isinstance(values[0], np.ndarray) and values[0].ndim == 1:
+                tensors = [torch.tensor(v) for v in values]
+                batch[key] = torch.nn.utils.rnn.pad_sequence(
+                    tensors, batch_first=True, padding_value=self.pad_values.get(key, 0)
+                )
+            else:
+                batch[key] = torch.as_tensor(np.stack(values))
+        return batch
+
+
+class ResumableLoader(StreamingDataLoader):
+    """`StreamingDataLoader` that refuses a resume state it would silently ignore."""
+
+    def load_state_dict(self, obj: dict[str, Any]) -> None:
+        """Resume at `obj['sample_in_epoch']` of `obj['epoch']` on the next iteration.
+
+        Raises:
+            DataError: If the state is malformed, or this loader already started a later epoch
+                (`streaming` would then quietly start from sample 0).
+        """
+        missing = _STATE_KEYS - set(obj)
+        if missing:
+            raise DataError(f"loader state is missing {sorted(missing)}; got keys {sorted(obj)}")
+        dataset = self.dataset
+        assert isinstance(dataset, StreamingDataset)
+        if dataset.next_epoch > obj["epoch"]:
+            raise DataError(
+                f"loader state is for epoch {obj['epoch']} but this loader already started epoch "
+                f"{dataset.next_epoch - 1}; build a new loader with state=... to resume"
+            )
+        super().load_state_dict(obj)
+
+
+def _clean_stale_shared_memory_once() -> None:
+    """Free shared memory left by crashed runs, once per process (later loaders are live)."""
+    global _shm_cleaned
+    if not _shm_cleaned:
+        clean_stale_shared_memory()
+        _shm_cleaned = True
+
+
+def build_dataloader(
+    uri: str,
+    split: str,
+    config: LoaderConfig,
+    *,
+    state: dict[str, Any] | None = None,
+    collate_fn: Callable[[list[dict[str, Any]]], Any] | None = None,
+) -> ResumableLoader:
+    """Build this rank's loader over one split of a published dataset.
+
+    Args:
+        uri: Published dataset (`PreparedDataset.uri`): local path or `s3://` URI.
+        split: Split to read, e.g. 'train'.
+        config: Batch size per rank, shuffle, seed and the rest.
+        state: A `loader.state_dict()` saved earlier, to continue exactly after it.
+        collate_fn: Batch collation; defaults to `PadCollate()`.
+
+    Returns:
+        The loader; its `state_dict()` / `load_state_dict()` give exact mid-epoch resume.
+
+    Raises:
+        DataError: If `uri` holds no complete dataset or has no such split.
+    """
+    manifest = read_manifest(uri)
+    if manifest is None:
+        raise DataError(f"no published dataset at {uri} (its manifest.json is missing)")
+    if split not in manifest["splits"]:
+        raise DataError(
+            f"split {split!r} not in dataset {uri}; it has {sorted(manifest['splits'])}"
+        )
+    if config.clean_stale_shared_memory:
+        _clean_stale_shared_memory_once()
+    dataset = StreamingDataset(
+        remote=uri,
+        local=str(stream_cache_dir(uri)),
+        split=split,
+        batch_size=config.batch_size,
+        shuffle=config.shuffle,
+        shuffle_seed=config.seed,
+        num_canonical_nodes=config.num_canonical_nodes,
+        validate_hash=manifest["hashes"][0]
+        if config.validate_hash and manifest["hashes"]
+        else None,
+    )
+    logger.debug("reading %s (%d samples)", join_uri(uri, split), dataset.num_samples)
+    loader = ResumableLoader(
+        dataset,
+        batch_size=config.batch_size,
+        num_workers=config.num_workers,
+        drop_last=config.drop_last,
+        collate_fn=collate_fn or PadCollate(),
+    )
+    if state is not None:
+        loader.load_state_dict(state)
+    return loader

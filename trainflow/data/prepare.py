@@ -1,0 +1,173 @@
+"""Prepare a dataset: source -> transform -> MDS shards, content-addressed and cached.
+
+    from trainflow.data import load_preset, prepare_dataset
+    result = prepare_dataset(load_preset("instructions"))
+    result.uri, result.splits["train"].num_samples
+
+The output directory is `<output_root>/<name>-<fingerprint[:16]>`, where the fingerprint covers
+the source's content, the tokenizer's content and every option that changes the shards. A
+second call with the same inputs finds the published manifest and does no work.
+"""
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+from streaming import MDSWriter
+
+from trainflow.data.config import DataConfig, PreparedDataset, SplitInfo, TabularTransform
+from trainflow.data.paths import default_datasets_root, join_uri
+from trainflow.data.sources import load_source, source_fingerprint
+from trainflow.data.store import FORMAT_VERSION, check_writable, publishing, read_manifest
+from trainflow.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from trainflow.data.transforms import apply_transform, output_columns
+
+logger = logging.getLogger(__name__)
+
+# Options that decide where and how fast a dataset is built, but not its content.
+_NOT_CONTENT = {"output_root": True, "num_proc": True, "source": True}
+
+
+def output_root(config: DataConfig) -> str:
+    """The configured output root, else `$TRAINFLOW_HOME/datasets`."""
+    return config.output_root or str(default_datasets_root())
+
+
+def dataset_fingerprint(config: DataConfig) -> str:
+    """Hash of everything that decides the shards' content (not file paths, not num_proc)."""
+    exclude: dict[str, Any] = dict(_NOT_CONTENT)
+    tokenizer = None
+    if not isinstance(config.transform, TabularTransform):
+        exclude["transform"] = {"tokenizer": True}
+        tokenizer = tokenizer_fingerprint(config.transform.tokenizer)
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "source": source_fingerprint(config.source),
+        "tokenizer": tokenizer,
+        "options": config.model_dump(mode="json", exclude=exclude),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def dataset_uri(config: DataConfig, fingerprint: str | None = None) -> str:
+    """Where `config`'s dataset is (or will be) published."""
+    fingerprint = fingerprint or dataset_fingerprint(config)
+    return join_uri(output_root(config), f"{config.name}-{fingerprint[:16]}")
+
+
+def find_published(config: DataConfig) -> PreparedDataset | None:
+    """The already published dataset for `config`, or None."""
+    fingerprint = dataset_fingerprint(config)
+    uri = dataset_uri(config, fingerprint)
+    manifest = read_manifest(uri)
+    if manifest is None or manifest.get("fingerprint") != fingerprint:
+        return None
+    return _result(uri, manifest, cache_hit=True)
+
+
+def _result(uri: str, manifest: dict[str, Any], cache_hit: bool) -> PreparedDataset:
+    splits = {name: SplitInfo(**info) for name, info in manifest["splits"].items()}
+    return PreparedDataset(
+        uri=uri,
+        name=manifest["name"],
+        fingerprint=manifest["fingerprint"],
+        splits=splits,
+        columns=manifest["columns"],
+        num_bytes=sum(s.num_bytes for s in splits.values()),
+        cache_hit=cache_hit,
+    )
+
+
+def _samples(ds: datasets.Dataset, columns: dict[str, str]) -> Any:
+    """Rows as MDS samples: numpy arrays of the declared dtype for ndarray columns."""
+    array_types = {
+        c: np.dtype(t.split(":", 1)[1]) for c, t in columns.items() if t.startswith("ndarray")
+    }
+    for batch in ds.with_format("numpy").iter(batch_size=1024):
+        for i in range(len(batch["id"])):
+            sample = {c: batch[c][i] for c in columns}
+            for c, dtype in array_types.items():
+                sample[c] = np.asarray(sample[c], dtype=dtype)
+            yield sample
+
+
+def _split_bytes(split_dir: Path) -> int:
+    index = json.loads((split_dir / "index.json").read_text())
+    data = sum((s["zip_data"] or s["raw_data"])["bytes"] for s in index["shards"])
+    return data + (split_dir / "index.json").stat().st_size
+
+
+def prepare_dataset(config: DataConfig) -> PreparedDataset:
+    """Build and publish the MDS dataset for `config`, or return the published one.
+
+    All splits are loaded and transformed before any shard is written, so bad input fails
+    before the output location is touched.
+
+    Args:
+        config: What to prepare.
+
+    Returns:
+        The published dataset's URI, per-split counts and sizes, and column types;
+        `cache_hit` is True when nothing had to be built.
+
+    Raises:
+        DataError: On bad input (missing file, column or split, empty split, wrong type,
+            tokenizer without chat template, output root not writable).
+    """
+    root = output_root(config)
+    check_writable(root)
+    fingerprint = dataset_fingerprint(config)
+    uri = dataset_uri(config, fingerprint)
+    manifest = read_manifest(uri)
+    if manifest is not None and manifest.get("fingerprint") == fingerprint:
+        logger.info("cache hit: %s is already published; nothing to do", uri)
+        return _result(uri, manifest, cache_hit=True)
+
+    tokenizer = None
+    if not isinstance(config.transform, TabularTransform):
+        tokenizer = load_tokenizer(
+            config.transform.tokenizer, need_chat_template=config.transform.name == "chat"
+        )
+    columns = output_columns(config)
+    splits = load_source(config)
+    transformed = {
+        split: apply_transform(config, split, ds, tokenizer) for split, ds in splits.items()
+    }
+
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "name": config.name,
+        "fingerprint": fingerprint,
+        "columns": columns,
+        "hashes": config.hashes,
+        "compression": config.compression,
+        "config": config.model_dump(mode="json"),
+        "splits": {},
+    }
+    logger.info(
+        "building %s (%s)", uri, ", ".join(f"{s}: {len(d)}" for s, (d, _) in transformed.items())
+    )
+    with publishing(uri, manifest) as publication:
+        for split, (ds, num_dropped) in transformed.items():
+            with MDSWriter(
+                out=publication.out(split),
+                columns=columns,
+                compression=config.compression,
+                hashes=config.hashes,
+                size_limit=config.shard_size,
+                keep_local=True,
+                exist_ok=True,
+            ) as writer:
+                for sample in _samples(ds, columns):
+                    writer.write(sample)
+            manifest["splits"][split] = {
+                "num_samples": len(ds),
+                "num_dropped": num_dropped,
+                "num_bytes": _split_bytes(publication.local_split_dir(split)),
+            }
+    logger.info("published %s", uri)
+    return _result(uri, manifest, cache_hit=False)

@@ -1,0 +1,156 @@
+"""Publishing prepared datasets so a crash never leaves one that looks finished.
+
+Layout of a published dataset `<root>/<name>-<hash>/`:
+
+    manifest.json        written last: its presence (with the right fingerprint) means complete
+    <split>/index.json   one MDS dataset per split
+    <split>/shard.*.mds[.zstd]
+
+Local roots: everything is written into a hidden sibling temp directory, then renamed into place
+with one `os.replace` (atomic on one filesystem). Object storage (`s3://`) has no rename, so
+shards are uploaded by `streaming`'s own uploader to the final prefix and `manifest.json` is
+uploaded last; readers and the cache only trust a prefix with a manifest.
+"""
+
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from streaming.base.storage import CloudDownloader
+from streaming.base.storage.upload import CloudUploader
+
+from trainflow.data.errors import DataError
+from trainflow.data.paths import is_remote, join_uri
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+logger = logging.getLogger(__name__)
+
+
+def check_writable(root: str) -> None:
+    """Fail early, naming the path, if a local output root cannot be written.
+
+    Raises:
+        DataError: If the directory cannot be created or a file cannot be written in it.
+    """
+    if is_remote(root):
+        return
+    try:
+        os.makedirs(root, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        raise DataError(f"output_root {root} is not writable: {err}") from err
+
+
+def _is_missing(err: Exception) -> bool:
+    if isinstance(err, FileNotFoundError):
+        return True
+    response = getattr(err, "response", None)  # botocore ClientError
+    code = str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
+    return code in {"404", "NoSuchKey", "NoSuchBucket", "403"}
+
+
+def read_manifest(uri: str) -> dict[str, Any] | None:
+    """The manifest of a published dataset, or None when `uri` holds no complete dataset."""
+    if not is_remote(uri):
+        path = Path(uri) / MANIFEST
+        return json.loads(path.read_text()) if path.is_file() else None
+    with tempfile.TemporaryDirectory() as scratch:
+        local = os.path.join(scratch, MANIFEST)
+        try:
+            CloudDownloader.direct_download(join_uri(uri, MANIFEST), local)
+        except Exception as err:  # storage clients raise their own not-found errors
+            if _is_missing(err):
+                return None
+            raise
+        return json.loads(Path(local).read_text())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temps(final: Path) -> None:
+    """Delete temp directories of earlier attempts on this host whose process has died."""
+    prefix = f".{final.name}.tmp-{socket.gethostname()}-"
+    for candidate in final.parent.glob(prefix + "*"):
+        pid = candidate.name[len(prefix) :].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            logger.info("removing %s left by a crashed run (pid %s)", candidate, pid)
+            shutil.rmtree(candidate, ignore_errors=True)
+
+
+class Publication:
+    """Where a dataset being prepared is written before it is published."""
+
+    def __init__(self, uri: str, staging: Path) -> None:
+        self.uri = uri
+        self.staging = staging
+
+    def out(self, split: str) -> str | tuple[str, str]:
+        """`MDSWriter`'s `out` for one split: a local dir, or (scratch dir, remote prefix)."""
+        local = str(self.staging / split)
+        return (local, join_uri(self.uri, split)) if is_remote(self.uri) else local
+
+    def local_split_dir(self, split: str) -> Path:
+        """Local directory holding the split's index and shards after writing."""
+        return self.staging / split
+
+
+@contextmanager
+def publishing(uri: str, manifest: dict[str, Any]) -> Iterator[Publication]:
+    """Stage a dataset, then publish it with `manifest` only if the block completes.
+
+    Args:
+        uri: Final dataset location (local path or `s3://` URI).
+        manifest: Manifest to publish; the block may add to it before it ends.
+
+    Yields:
+        The publication to write splits into.
+    """
+    if is_remote(uri):
+        scratch = Path(tempfile.mkdtemp(prefix="trainflow-publish-"))
+        try:
+            yield Publication(uri, scratch)
+            (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+            uploader = CloudUploader.get((str(scratch), uri), keep_local=True, exist_ok=True)
+            uploader.upload_file(MANIFEST)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return
+
+    final = Path(uri)
+    _remove_stale_temps(final)
+    staging = (
+        final.parent
+        / f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    )
+    staging.mkdir(parents=True)
+    try:
+        yield Publication(uri, staging)
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        try:
+            os.replace(staging, final)
+        except OSError:
+            # Another run published the same content first; keep theirs.
+            if read_manifest(uri) is None:
+                raise
+            logger.info("%s was published concurrently; discarding this copy", uri)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,256 @@
+"""Transforms, chosen by name: rows of a split -> the typed columns written to MDS.
+
+Every transform also writes an integer `id` column (from `DataConfig.id_column`, else the row
+number in the split) so readers can check exactly which samples they saw.
+
+- `text`: `input_ids` (TRL's pre-tokenized language-modelling format).
+- `chat`: `input_ids` + `assistant_masks` (1 on answer tokens, including the end-of-turn token),
+  the columns TRL 1.16's `SFTTrainer` folds into labels for pre-tokenized data.
+- `tabular`: the named columns, cast to their declared types.
+"""
+
+from typing import Any
+
+import datasets
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from trainflow.data.config import (
+    ChatTransform,
+    DataConfig,
+    ScalarType,
+    TabularTransform,
+    TextTransform,
+)
+from trainflow.data.errors import DataError
+from trainflow.data.sources import describe_split
+
+_ARROW_TYPES = {"str": "string"}
+
+
+def output_columns(config: DataConfig) -> dict[str, str]:
+    """MDS column name -> MDS type for what `config` writes."""
+    transform = config.transform
+    columns: dict[str, str] = {"id": "int64"}
+    if isinstance(transform, TabularTransform):
+        columns.update(transform.columns)
+        return columns
+    columns["input_ids"] = "ndarray:int32"
+    if isinstance(transform, ChatTransform):
+        columns["assistant_masks"] = "ndarray:uint8"
+    columns.update(transform.keep_columns)
+    return columns
+
+
+def _require_column(config: DataConfig, split: str, ds: datasets.Dataset, column: str) -> None:
+    if column not in ds.column_names:
+        raise DataError(
+            f"column {column!r} missing from {describe_split(config, split)}; "
+            f"it has columns {ds.column_names}"
+        )
+
+
+def _cast_scalars(
+    config: DataConfig, split: str, ds: datasets.Dataset, types: dict[str, ScalarType]
+) -> datasets.Dataset:
+    """Cast each named column to its declared type; reject missing columns, nulls, bad values."""
+    for column, dtype in types.items():
+        _require_column(config, split, ds, column)
+        if ds.data.column(column).null_count:
+            raise DataError(
+                f"column {column!r} of {describe_split(config, split)} has "
+                f"{ds.data.column(column).null_count} empty value(s); {dtype} needs a value per row"
+            )
+        feature = ds.features[column]
+        if not isinstance(feature, datasets.Value):
+            raise DataError(
+                f"column {column!r} of {describe_split(config, split)} holds {feature}, "
+                f"not a scalar that can be typed as {dtype}"
+            )
+        if (dtype == "str") != (feature.dtype in ("string", "large_string")):
+            raise DataError(
+                f"column {column!r} of {describe_split(config, split)} has type "
+                f"{feature.dtype}, which cannot be written as {dtype}"
+            )
+        try:
+            ds = ds.cast_column(column, datasets.Value(_ARROW_TYPES.get(dtype, dtype)))
+        except Exception as err:  # pyarrow refuses lossy or impossible casts
+            raise DataError(
+                f"column {column!r} of {describe_split(config, split)} cannot be cast from "
+                f"{feature.dtype} to {dtype}: {err}"
+            ) from err
+    return ds
+
+
+def _with_ids(config: DataConfig, split: str, ds: datasets.Dataset) -> datasets.Dataset:
+    if config.id_column is None:
+        if "id" in ds.column_names:
+            ds = ds.remove_columns("id")
+        return ds.add_column("id", np.arange(len(ds), dtype=np.int64))
+    ds = _cast_scalars(config, split, ds, {config.id_column: "int64"})
+    ids = ds.data.column(config.id_column).to_numpy()
+    if len(np.unique(ids)) != len(ids):
+        raise DataError(
+            f"column {config.id_column!r} (id_column) of {describe_split(config, split)} "
+            "has duplicate values; ids must be unique per split"
+        )
+    if config.id_column != "id":
+        if "id" in ds.column_names:
+            ds = ds.remove_columns("id")
+        ds = ds.rename_column(config.id_column, "id")
+    return ds
+
+
+class _ChatTokenizer:
+    """Batched map function: messages -> input_ids + assistant_masks (picklable for num_proc)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, column: str, split: str) -> None:
+        self.tokenizer = tokenizer
+        self.column = column
+        self.split = split
+
+    def _render(self, messages: list[dict[str, str]], prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=prompt
+        )
+
+    def _spans(self, row_id: int, messages: list[dict[str, str]]) -> tuple[str, list[range]]:
+        """The rendered conversation and the character span of each assistant turn."""
+        where = f"row id {row_id} of split {self.split!r} (column {self.column!r})"
+        try:
+            text = self._render(messages, prompt=False)
+            spans = []
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                before = self._render(messages[:i], prompt=True)
+                through = self._render(messages[: i + 1], prompt=False)
+                if not (text.startswith(before) and text.startswith(through)):
+                    raise DataError(
+                        f"{where}: the chat template does not render turns as prefixes of the "
+                        "conversation, so the answer mask cannot be computed"
+                    )
+                spans.append(range(len(before), len(through)))
+        except DataError:
+            raise
+        except Exception as err:  # template errors (unknown role, bad content type...)
+            raise DataError(f"{where}: chat template failed: {err}") from err
+        if not spans:
+            raise DataError(f"{where}: no assistant message, so nothing to learn")
+        return text, spans
+
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        rendered = [self._spans(i, m) for i, m in zip(batch["id"], batch[self.column], strict=True)]
+        encoded = self.tokenizer(
+            [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
+        )
+        masks = []
+        for (_, spans), offsets in zip(rendered, encoded["offset_mapping"], strict=True):
+            masks.append([int(any(start in span for span in spans)) for start, _ in offsets])
+        return {"input_ids": encoded["input_ids"], "assistant_masks": masks}
+
+
+class _TextTokenizer:
+    """Batched map function: text -> input_ids (+ EOS)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, column: str, add_eos: bool) -> None:
+        self.tokenizer = tokenizer
+        self.column = column
+        self.add_eos = add_eos
+
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        ids = self.tokenizer(batch[self.column])["input_ids"]
+        if self.add_eos:
+            ids = [row + [self.tokenizer.eos_token_id] for row in ids]
+        return {"input_ids": ids}
+
+
+def _fit_length(
+    transform: TextTransform | ChatTransform, ds: datasets.Dataset, num_proc: int | None
+) -> datasets.Dataset:
+    """Apply max_length: truncate or drop long rows; drop rows left with no answer tokens."""
+    limit = transform.max_length
+    if limit is None:
+        return ds
+    if transform.overflow == "drop":
+        return ds.filter(
+            lambda ids: len(ids) <= limit, input_columns="input_ids", num_proc=num_proc
+        )
+
+    columns = ["input_ids"] + (["assistant_masks"] if isinstance(transform, ChatTransform) else [])
+    ds = ds.map(
+        lambda batch: {k: [row[:limit] for row in batch[k]] for k in columns},
+        batched=True,
+        num_proc=num_proc,
+    )
+    if isinstance(transform, ChatTransform):
+        ds = ds.filter(lambda m: 1 in m, input_columns="assistant_masks", num_proc=num_proc)
+    return ds
+
+
+def apply_transform(
+    config: DataConfig,
+    split: str,
+    ds: datasets.Dataset,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> tuple[datasets.Dataset, int]:
+    """Turn one split's rows into the output columns.
+
+    Args:
+        config: The data config (its `transform` decides what happens).
+        split: Split name, for error messages.
+        ds: The split's rows.
+        tokenizer: Loaded tokenizer for the token transforms, else None.
+
+    Returns:
+        The dataset with exactly `output_columns(config)` and the number of rows dropped for
+        exceeding `max_length`.
+
+    Raises:
+        DataError: On a missing column, a wrong type, or a split left empty; the message names
+            the column and split.
+    """
+    transform = config.transform
+    ds = _with_ids(config, split, ds)
+    if isinstance(transform, TabularTransform):
+        typed = _cast_scalars(config, split, ds, transform.columns)
+        return typed.select_columns(list(output_columns(config))), 0
+
+    assert tokenizer is not None
+    ds = _cast_scalars(config, split, ds, transform.keep_columns)
+    if isinstance(transform, ChatTransform):
+        column = transform.messages_column
+        _require_column(config, split, ds, column)
+        inner = getattr(ds.features[column], "feature", None)
+        if not isinstance(inner, dict) or not {"role", "content"} <= set(inner):
+            raise DataError(
+                f"column {column!r} of {describe_split(config, split)} holds "
+                f"{ds.features[column]}, not a list of {{'role', 'content'}} messages"
+            )
+        fn: Any = _ChatTokenizer(tokenizer, column, split)
+    else:
+        column = transform.text_column
+        _require_column(config, split, ds, column)
+        if getattr(ds.features[column], "dtype", None) not in ("string", "large_string"):
+            raise DataError(
+                f"column {column!r} of {describe_split(config, split)} holds "
+                f"{ds.features[column]}, not text"
+            )
+        fn = _TextTokenizer(tokenizer, column, transform.add_eos)
+
+    keep = list(output_columns(config))
+    num_rows = len(ds)
+    ds = ds.map(
+        fn,
+        batched=True,
+        num_proc=config.num_proc,
+        remove_columns=[c for c in ds.column_names if c not in keep],
+        desc=f"tokenizing {split}",
+    )
+    ds = _fit_length(transform, ds, config.num_proc).select_columns(keep)
+    if len(ds) == 0:
+        raise DataError(
+            f"{describe_split(config, split)} is empty after the {transform.name!r} transform "
+            f"(every row is longer than max_length {transform.max_length})"
+        )
+    return ds, num_rows - len(ds)
