@@ -64,9 +64,16 @@ def prefect_api(tmp_path_factory):
     old = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
     os.environ["PREFECT_API_URL"] = url
     os.environ["PREFECT_HOME"] = str(home)
+    # Prefect reads its settings once at import; point the in-process client at the server too.
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     try:
-        yield url
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            yield url
     finally:
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler.flush()  # send buffered run logs while the server is still up
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
