@@ -27,6 +27,13 @@ def _isolated_state(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
+def flush_prefect_logs() -> None:
+    """Block until run logs buffered in this process have reached the Prefect server."""
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
     """A real `prefect server` (SQLite) on a loopback port, shared by the whole session.
@@ -44,9 +51,21 @@ def prefect_api(tmp_path_factory):
     }
     log = open(home / "server.log", "wb")  # noqa: SIM115 - closed at teardown
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-         "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + 90
@@ -71,9 +90,7 @@ def prefect_api(tmp_path_factory):
         with temporary_settings(updates={PREFECT_API_URL: url}):
             yield url
     finally:
-        from prefect.logging.handlers import APILogHandler
-
-        APILogHandler.flush()  # send buffered run logs while the server is still up
+        flush_prefect_logs()  # send buffered run logs while the server is still up
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)

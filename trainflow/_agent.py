@@ -31,9 +31,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 def main(run_dir: str) -> int:
     rd = RunDir(Path(run_dir))
     spec = rd.read_spec()
-    threading.Thread(
-        target=_exit_with_parent, args=(spec["caller_pid"],), daemon=True
-    ).start()
+    threading.Thread(target=_exit_with_parent, args=(spec["caller_pid"],), daemon=True).start()
     os.environ.update(spec["env"])
 
     config = LaunchConfig(

@@ -294,9 +294,7 @@ class _Launch:
         log_dir = str(rd.logs)
         errors = {r: pickle.loads(p.read_bytes()) for r, p in rd.error_files().items()}
         results = rd.result_files()
-        expected = (
-            list(range(res.nproc_per_node)) if res.nnodes == 1 else sorted(rd.log_files())
-        )
+        expected = list(range(res.nproc_per_node)) if res.nnodes == 1 else sorted(rd.log_files())
         missing = [r for r in expected if r not in results]
         if errors and (returncode != 0 or missing):
             raise self._rank_error(errors, log_dir)
@@ -454,4 +452,3 @@ def distributed(
         return DistributedFunction(fn, options)
 
     return wrap
-

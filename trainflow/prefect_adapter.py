@@ -26,7 +26,11 @@ def launch_logged(
     """Launch from inside a Prefect run, forwarding each rank line to the run's logs."""
     logger = get_run_logger()
     result = launch(
-        fn, args, kwargs, options=options, on_line=lambda r, line: logger.info("[rank %d] %s", r, line)
+        fn,
+        args,
+        kwargs,
+        options=options,
+        on_line=lambda r, line: logger.info("[rank %d] %s", r, line),
     )
     files = "\n".join(f"| {r} | `{p}` |" for r, p in result.log_files.items())
     logger.info("Full rank logs: %s", result.run_dir / "logs")

@@ -141,8 +141,9 @@ def resolve_resources(
                 f"gpu_type={gpu_type!r} requested, but this machine has {inventory.describe()}"
             )
             if os.environ.get(CPU_FALLBACK_ENV) == "1":
-                logger.warning("%s; %s=1, so running %d CPU ranks", message, CPU_FALLBACK_ENV,
-                               per_node)
+                logger.warning(
+                    "%s; %s=1, so running %d CPU ranks", message, CPU_FALLBACK_ENV, per_node
+                )
                 return Resources("cpu", per_node, nnodes)
             raise ResourceError(
                 f"{message}. Set gpu_type=None to use what is present, gpu_type='cpu' for CPU "

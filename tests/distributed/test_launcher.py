@@ -57,8 +57,17 @@ def test_direct_call_runs_in_process():
 @distributed(gpus=2, gpu_type="cpu", timeout=120, env={"MY_SETTING": "forwarded"})
 def environment() -> dict:
     names = [
-        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-        "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "MY_SETTING", "CUDA_VISIBLE_DEVICES",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "NODE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMP_NUM_THREADS",
+        "MY_SETTING",
+        "CUDA_VISIBLE_DEVICES",
     ]
     return {
         "env": {n: os.environ.get(n) for n in names},

@@ -3,9 +3,15 @@
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
 from prefect.client.schemas.sorting import LogSort
 
+from tests.conftest import flush_prefect_logs
 from trainflow import RankError, distributed, runtime
 
 
@@ -32,6 +38,7 @@ def failing_flow() -> None:
 
 
 def _logs(flow_run_id) -> list[str]:
+    flush_prefect_logs()
     with get_client(sync_client=True) as client:
         logs = client.read_logs(
             log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),

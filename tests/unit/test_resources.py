@@ -44,7 +44,10 @@ def test_none_uses_mocked_gpus_when_present_and_cpu_otherwise():
 def test_matching_gpu_type_with_mocked_gpus():
     res = resolve_resources(16, "H100", nnodes=2, inventory=H100x8)
     assert (res.device, res.nproc_per_node, res.world_size, res.gpu_name) == (
-        "cuda", 8, 16, "NVIDIA H100 80GB HBM3",
+        "cuda",
+        8,
+        16,
+        "NVIDIA H100 80GB HBM3",
     )
 
 
@@ -71,8 +74,11 @@ def test_more_ranks_than_mocked_gpus_is_an_error():
 
 @pytest.mark.parametrize(
     ("gpus", "nnodes", "message"),
-    [(0, 1, "gpus must be a positive integer"), (3, 2, "does not divide evenly"),
-     (2, 0, "nnodes must be a positive integer")],
+    [
+        (0, 1, "gpus must be a positive integer"),
+        (3, 2, "does not divide evenly"),
+        (2, 0, "nnodes must be a positive integer"),
+    ],
 )
 def test_bad_counts_fail_at_decoration_time(gpus, nnodes, message):
     with pytest.raises(ResourceError, match=message):
@@ -97,5 +103,7 @@ def test_this_machine_without_gpus_rejects_a_gpu_type(monkeypatch):
     def f():
         return 1
 
-    with pytest.raises(ResourceError, match="gpu_type='H100' requested, but this machine has no GPU"):
+    with pytest.raises(
+        ResourceError, match="gpu_type='H100' requested, but this machine has no GPU"
+    ):
         f.distributed()
