@@ -16,6 +16,7 @@ first failing rank into one clear error, and stops the whole process group at th
 process outlives the call.
 """
 
+import contextlib
 import functools
 import inspect
 import os
@@ -341,10 +342,9 @@ class _Launch:
             log_dir=log_dir,
         )
         if rec["exception"] is not None:
-            try:
+            # The exception class may not import in the caller; the text above still names it.
+            with contextlib.suppress(Exception):
                 error.__cause__ = cloudpickle.loads(rec["exception"])
-            except Exception:
-                pass
         return error
 
 

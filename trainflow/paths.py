@@ -8,7 +8,7 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def trainflow_home() -> Path:
-    """Root for run directories, datasets and caches (`$TRAINFLOW_HOME`, else ~/.cache/trainflow)."""
+    """Root for runs, datasets and caches: `$TRAINFLOW_HOME`, else ~/.cache/trainflow."""
     return Path(os.environ.get("TRAINFLOW_HOME") or Path.home() / ".cache" / "trainflow")
 
 

@@ -13,11 +13,13 @@ the same global order. No Prefect here: this runs on every rank.
 """
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from streaming import StreamingDataLoader, StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
@@ -113,6 +115,14 @@ def build_dataloader(
     Raises:
         DataError: If `uri` holds no complete dataset or has no such split.
     """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not dist.is_initialized():
+        # streaming would create and destroy a group per call, and a second one on the same
+        # store reads the first one's stale addresses and fails to connect.
+        raise DataError(
+            f"reading on {world_size} ranks needs the default process group: launch with "
+            "@distributed(..., init_process_group=True) or wrap in runtime.process_group()"
+        )
     manifest = read_manifest(uri)
     if manifest is None:
         raise DataError(f"no published dataset at {uri} (its manifest.json is missing)")

@@ -1,0 +1,60 @@
+"""Prefect task: prepare a dataset as MDS shards, cached by content.
+
+The cache key is the dataset's URI, which already encodes the source's content, the
+tokenizer's content and every option (`trainflow.data.dataset_uri`); results are persisted, so
+a re-run anywhere that shares the result store is a `Cached` state that does no work. If the
+published dataset was deleted since, the record is refreshed instead of returned.
+"""
+
+import hashlib
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.context import TaskRunContext
+
+from trainflow.data import DataConfig, PreparedDataset, dataset_uri, find_published
+from trainflow.data import prepare_dataset as build_dataset
+
+
+def _dataset_key(_: TaskRunContext, parameters: dict[str, Any]) -> str:
+    uri = dataset_uri(parameters["config"])
+    return "trainflow-dataset-" + hashlib.sha256(uri.encode()).hexdigest()
+
+
+@task(
+    name="prepare-dataset",
+    cache_policy=CacheKeyFnPolicy(cache_key_fn=_dataset_key),
+    persist_result=True,
+    retries=1,  # idempotent: a retry finds what is already published
+)
+def _prepare_dataset(config: DataConfig) -> PreparedDataset:
+    result = build_dataset(config)
+    logger = get_run_logger()
+    if result.cache_hit:
+        logger.info("cache hit: %s was already published; nothing to do", result.uri)
+    else:
+        logger.info(
+            "built %s: %s", result.uri, {s: i.num_samples for s, i in result.splits.items()}
+        )
+    return result
+
+
+def prepare_dataset(config: DataConfig) -> PreparedDataset:
+    """Prepare `config`'s dataset through the cached task (call inside a flow).
+
+    Args:
+        config: What to prepare.
+
+    Returns:
+        The published dataset (URI, per-split counts, columns, bytes).
+    """
+    published = find_published(config)
+    state = _prepare_dataset.with_options(refresh_cache=published is None)(
+        config, return_state=True
+    )
+    result = state.result()
+    if state.name == "Cached":
+        get_run_logger().info("cache hit: reusing %s from the Prefect cache", result.uri)
+        result = result.model_copy(update={"cache_hit": True})
+    return result

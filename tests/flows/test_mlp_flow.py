@@ -1,0 +1,70 @@
+"""`python -m flows.mlp` end to end: real Prefect server, 2 gloo ranks, temporary MLflow store."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.mlp", *args],
+        cwd=REPO_ROOT,
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_mlp_pipeline_registers_a_model_that_learned(prefect_api, tmp_path):
+    proc = _run("--num-epochs", "3", "--registered-model-name", "mlp-e2e")
+    out = proc.stdout + proc.stderr
+    assert "Model        : mlp-e2e version 1" in out
+    assert "[rank 1]" not in out or "Task run" in out  # rank lines are routed through Prefect
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    version = client.get_model_version("mlp-e2e", "1")
+    run = client.get_run(version.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["eval_r2"] > 0.5
+    assert run.data.params["gpus"] == "2"
+    assert version.tags["technique"] == "ddp" and version.tags["world_size"] == "2"
+    history = client.get_metric_history(run.info.run_id, "train_loss")
+    assert len(history) >= 2 and history[-1].value < history[0].value
+    import mlflow.pytorch
+
+    model = mlflow.pytorch.load_model("models:/mlp-e2e/1")
+    assert isinstance(model, torch.nn.Module)
+    assert model(torch.zeros(3, 10)).shape == (3, 1)
+
+
+def test_mlp_pipeline_that_does_not_learn_registers_nothing(prefect_api):
+    proc = _run(
+        "--max-steps", "1", "--learning-rate", "1e-9", "--registered-model-name", "mlp-gate"
+    )
+    assert "not registered" in proc.stdout
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    assert client.search_model_versions("name='mlp-gate'") == []
+
+
+def test_mlp_pipeline_failing_in_training_marks_the_run_failed(prefect_api):
+    # Ranks cannot even start in 2 s: the launch times out, the flow fails.
+    proc = _run("--timeout-s", "2", "--registered-model-name", "mlp-fail", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "timed out after 2s" in out
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("mlp")
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"]
+    assert client.search_model_versions("name='mlp-fail'") == []

@@ -1,0 +1,49 @@
+"""Command lines generated from the pipeline configs."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from trainflow.cli import parse_config
+from trainflow.workloads.mlp import MLPConfig
+
+
+def _parse(*argv: str) -> MLPConfig:
+    return parse_config(MLPConfig, MLPConfig(), list(argv), prog="mlp", description="")
+
+
+def test_options_override_defaults_and_none_unsets():
+    config = _parse("--gpus", "4", "--gpu-type", "H100", "--max-steps", "7")
+    assert (config.gpus, config.gpu_type, config.max_steps) == (4, "H100", 7)
+    assert _parse("--gpu-type", "none").gpu_type is None
+    assert _parse().num_epochs == MLPConfig().num_epochs
+
+
+def test_invalid_value_names_the_option(capsys):
+    with pytest.raises(SystemExit) as info:
+        _parse("--gpus", "0")
+    assert info.value.code == 2
+    assert "--gpus: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+def test_cross_field_check_runs_before_any_worker(capsys):
+    with pytest.raises(SystemExit):
+        _parse("--batch-size", "4096", "--gpus", "4")
+    assert "exceeds num_train_samples" in capsys.readouterr().err
+
+
+def test_help_documents_every_option():
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.mlp", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for name, field in MLPConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        assert flag in out, flag
+        assert field.description.split()[0] in out
+    assert "python -m flows.mlp" in out

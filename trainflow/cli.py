@@ -1,0 +1,116 @@
+"""Command lines generated from the same pydantic configs the Prefect UI shows as forms.
+
+Every field becomes an option (`num_epochs` -> `--num-epochs`, nested `data.path` ->
+`--data-path`) with the field's description as help, so `--help` documents every option and
+the command line, the UI and deployments validate input in one place.
+"""
+
+import argparse
+import json
+import types
+import typing
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _strip_optional(annotation: Any) -> tuple[Any, bool]:
+    if get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], len(args) != len(get_args(annotation))
+    return annotation, False
+
+
+def _add_fields(
+    parser: argparse.ArgumentParser, model: type[BaseModel], defaults: BaseModel, prefix: str
+) -> None:
+    for name, info in model.model_fields.items():
+        annotation, optional = _strip_optional(info.annotation)
+        default = getattr(defaults, name)
+        dest = f"{prefix}{name}"
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and default:
+            _add_fields(parser, annotation, default, f"{dest}.")
+            continue
+        flag = "--" + dest.replace(".", "-").replace("_", "-")
+        help_text = (info.description or "").replace("%", "%%")
+        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_origin(annotation) is Literal:
+            kwargs["choices"] = list(get_args(annotation))
+            kwargs["type"] = type(get_args(annotation)[0])
+        elif annotation in (int, float):
+            kwargs["type"] = annotation
+            kwargs["metavar"] = annotation.__name__.upper()
+        elif annotation is str:
+            kwargs["metavar"] = "TEXT"
+        else:
+            kwargs["type"] = json.loads
+            kwargs["metavar"] = "JSON"
+        shown = "none" if default is None else default
+        if optional:
+            help_text += " Pass 'none' to unset."
+        parser.add_argument(flag, help=f"{help_text} (default: {shown})", **kwargs)
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        node = nested
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = None if isinstance(value, str) and value.lower() == "none" else value
+    return nested
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def build_parser(
+    model: type[M], defaults: M, prog: str, description: str
+) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_fields(parser, model, defaults, "")
+    return parser
+
+
+def parse_config(
+    model: type[M],
+    defaults: M,
+    argv: list[str] | None,
+    prog: str,
+    description: str,
+) -> M:
+    """Parse `argv` into a validated `model`, starting from `defaults`.
+
+    Invalid values exit with status 2 and a message naming the option, like any argparse error.
+    """
+    parser = build_parser(model, defaults, prog, description)
+    given = vars(parser.parse_args(argv))
+    merged = _merge(defaults.model_dump(), _nest(given))
+    try:
+        return model.model_validate(merged)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}"
+            if err["loc"]
+            else err["msg"]
+            for err in exc.errors()
+        )
+        parser.error(problems)
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,166 @@
+"""MLflow tracking: one parent run per pipeline run, metrics from rank 0 only, registration.
+
+The orchestrating process creates the store and the run before any rank starts (a fresh SQLite
+store created by several ranks at once races); ranks receive only the run id and log through a
+buffered sink, so a training step never waits on a tracking-server round trip.
+"""
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+def tracking_uri() -> str:
+    """`$MLFLOW_TRACKING_URI`, else a SQLite store `mlflow.db` in the working directory."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def _client() -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri())
+
+
+class MetricsSink(Protocol):
+    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class NullSink:
+    """What ranks other than 0 get: the loop never asks whether logging is on."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+class MlflowSink:
+    """Buffers metrics and sends them in batches to an existing MLflow run."""
+
+    def __init__(self, run_id: str, flush_every: int = 50):
+        from mlflow.entities import Metric
+
+        self._metric = Metric
+        self.run_id = run_id
+        self.flush_every = flush_every
+        self.client = _client()
+        self.buffer: list[Any] = []
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        now = int(time.time() * 1000)
+        self.buffer.extend(self._metric(k, float(v), now, step) for k, v in metrics.items())
+        if len(self.buffer) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        # MLflow accepts at most 1000 metrics per batch.
+        while self.buffer:
+            batch, self.buffer = self.buffer[:1000], self.buffer[1000:]
+            self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
+
+
+def metrics_sink(run_id: str | None, is_rank_zero: bool, flush_every: int = 50) -> MetricsSink:
+    """An MLflow sink on rank 0 when a run id is given, a null sink everywhere else."""
+    if run_id and is_rank_zero:
+        return MlflowSink(run_id, flush_every)
+    return NullSink()
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, str]) -> None:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = str(value)[:6000]
+
+
+def flatten_params(config: Mapping[str, Any]) -> dict[str, str]:
+    """`{"a": {"b": 1}}` -> `{"a.b": "1"}`, the form MLflow params take."""
+    out: dict[str, str] = {}
+    _flatten("", config, out)
+    return out
+
+
+@contextlib.contextmanager
+def pipeline_run(
+    experiment: str,
+    run_name: str,
+    params: Mapping[str, Any],
+    tags: Mapping[str, str] | None = None,
+) -> Iterator[str]:
+    """Open the pipeline's MLflow run and always close it with the right status.
+
+    Yields the run id. The run ends FINISHED on success, KILLED on cancellation (Ctrl-C,
+    SIGTERM or a cancelled Prefect run) and FAILED on any other error, never left RUNNING.
+    """
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    client = _client()
+    found = client.get_experiment_by_name(experiment)
+    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+    run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
+    run_id = run.info.run_id
+    from mlflow.entities import Param
+
+    items = list(flatten_params(params).items())
+    for i in range(0, len(items), 100):
+        client.log_batch(run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
+    status = "FAILED"
+    try:
+        yield run_id
+        status = "FINISHED"
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        status = "KILLED"
+        raise
+    except BaseException as exc:
+        # Prefect signals cancellation with its own exception types.
+        if "Cancel" in type(exc).__name__ or "Abort" in type(exc).__name__:
+            status = "KILLED"
+        raise
+    finally:
+        client.set_terminated(run_id, status=status)
+
+
+def log_metrics(run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+    """Log a few final metrics (evaluation results) to a run from the orchestrator."""
+    sink = MlflowSink(run_id)
+    sink.log(step, metrics)
+    sink.flush()
+
+
+def register_pytorch_model(
+    run_id: str,
+    model: Any,
+    registered_model_name: str,
+    input_example: Any,
+    tags: Mapping[str, str],
+) -> str:
+    """Log `model` (an `nn.Module`) to the run, register it, tag the version; return the version.
+
+    Uses pickle serialization so the registry gives back an `nn.Module` (MLflow 3 defaults to
+    an exported graph that loads as a `GraphModule`).
+    """
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.pytorch.log_model(
+            model,
+            name="model",
+            serialization_format="pickle",
+            input_example=input_example,
+            registered_model_name=registered_model_name,
+        )
+    version = str(info.registered_model_version)
+    client = _client()
+    for key, value in tags.items():
+        client.set_model_version_tag(registered_model_name, version, key, value)
+    return version

@@ -1,0 +1,1 @@
+"""Training functions that run on every rank: plain torch, no Prefect."""
