@@ -1,0 +1,1 @@
+"""Ways to run trainflow's pipelines as deployments (see prefect.yaml)."""

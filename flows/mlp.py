@@ -37,7 +37,7 @@ class MLPResult(BaseModel):
 
 
 @flow(name="mlp", log_prints=True)
-def mlp(config: workload.MLPConfig = workload.MLPConfig()) -> MLPResult:  # noqa: B008
+def mlp(config: workload.MLPConfig = workload.MLPConfig()) -> MLPResult:
     """Train the simple MLP with DDP, evaluate on held-out data, register if it learned."""
     safe_name(config.registered_model_name, "registered_model_name")
     with pipeline_run(

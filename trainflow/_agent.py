@@ -44,7 +44,7 @@ def main(run_dir: str) -> int:
         rdzv_configs={"timeout": spec["rdzv_timeout_s"]},
         max_restarts=spec["max_restarts"],
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=spec["start_method"],
         shutdown_timeout=spec["shutdown_timeout_s"],
         logs_specs=DefaultLogsSpecs(log_dir=str(rd.path / "elastic")),
     )

@@ -5,6 +5,7 @@ caller's code, so everything user-specific arrives through the run directory.
 """
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import torch
 
 from trainflow import runtime
 from trainflow.run_dir import RunDir
@@ -47,8 +49,19 @@ def _error_record(exc: BaseException, rank: int, where: str) -> dict[str, Any]:
     }
 
 
+def _reset_process_state() -> None:
+    """Undo what a forked rank inherits from the agent: its signal handlers and thread count."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
 def main(run_dir: str) -> None:
     """Entry point of every rank (called by torch elastic with the run directory)."""
+    _reset_process_state()
     rd = RunDir(Path(run_dir))
     rank = runtime.get_global_rank()
     os.environ.setdefault("NODE_RANK", os.environ.get("GROUP_RANK", "0"))

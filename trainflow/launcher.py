@@ -47,6 +47,7 @@ LineSink = Callable[[int, str], None]
 
 RDZV_ENDPOINT_ENV = "TRAINFLOW_RDZV_ENDPOINT"
 RUN_ID_ENV = "TRAINFLOW_RUN_ID"
+START_METHOD_ENV = "TRAINFLOW_START_METHOD"
 # After the first rank fails, torch elastic stops the others; give it this long before we do.
 FAILURE_GRACE_S = 5.0
 # SIGTERM-to-SIGKILL grace for workers, for the agent and for our final sweep.
@@ -223,6 +224,18 @@ class _Launch:
         env.update(self.options.env)
         return env
 
+    @staticmethod
+    def _start_method(res: Resources) -> str:
+        """fork on CPU: ranks start ~2x sooner, as torch is already imported in the agent.
+
+        spawn on GPUs, the method torch recommends with CUDA, where start-up time is small next
+        to training. TRAINFLOW_START_METHOD overrides either.
+        """
+        method = os.environ.get(START_METHOD_ENV) or ("fork" if res.device == "cpu" else "spawn")
+        if method not in ("fork", "spawn", "forkserver"):
+            raise LaunchError(f"{START_METHOD_ENV}={method!r}: use fork, spawn or forkserver")
+        return method
+
     def run(self, args: tuple, kwargs: dict) -> LaunchResult:
         opts = self.options
         res = resolve_resources(opts.gpus, opts.gpu_type, opts.nnodes)
@@ -242,6 +255,7 @@ class _Launch:
                 "max_restarts": opts.max_restarts,
                 "shutdown_timeout_s": SHUTDOWN_GRACE_S,
                 "init_process_group": opts.init_process_group,
+                "start_method": self._start_method(res),
                 "sys_path": _caller_sys_path(),
                 "env": self._env(res),
                 "caller_pid": os.getpid(),
@@ -297,8 +311,6 @@ class _Launch:
         results = rd.result_files()
         expected = list(range(res.nproc_per_node)) if res.nnodes == 1 else sorted(rd.log_files())
         missing = [r for r in expected if r not in results]
-        if errors and (returncode != 0 or missing):
-            raise self._rank_error(errors, log_dir)
         if timed_out:
             running = [r for r in expected if r not in results] or expected
             raise LaunchTimeoutError(
@@ -308,6 +320,8 @@ class _Launch:
                 running_ranks=running,
                 log_dir=log_dir,
             )
+        if errors and (returncode != 0 or missing):
+            raise self._rank_error(errors, log_dir)
         if returncode != 0 or missing or not results:
             detail = rd.agent_error.read_text() if rd.agent_error.exists() else ""
             detail = detail or _tail(rd.agent_log)

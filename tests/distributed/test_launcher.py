@@ -80,10 +80,13 @@ def environment() -> dict:
             runtime.is_rank_zero(),
         ),
         "device": str(runtime.get_device()),
+        "threads": torch.get_num_threads(),
     }
 
 
-def test_every_rank_sees_the_torchrun_environment_and_helpers_agree():
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_every_rank_sees_the_torchrun_environment_and_helpers_agree(start_method, monkeypatch):
+    monkeypatch.setenv("TRAINFLOW_START_METHOD", start_method)
     results = environment.distributed()
     for rank, res in enumerate(results):
         env = res["env"]
@@ -92,6 +95,7 @@ def test_every_rank_sees_the_torchrun_environment_and_helpers_agree():
         assert env["GROUP_RANK"] == "0" and env["NODE_RANK"] == "0"
         assert env["MASTER_ADDR"] and int(env["MASTER_PORT"]) > 0
         assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
+        assert res["threads"] == int(env["OMP_NUM_THREADS"])  # honoured, as under torchrun
         assert env["MY_SETTING"] == "forwarded"
         assert env["CUDA_VISIBLE_DEVICES"] == ""  # CPU ranks never see a GPU
         assert res["helpers"] == (rank, rank, 2, 2, 0, rank == 0)

@@ -274,8 +274,8 @@ class LoaderConfig(_Model):
     validate_hash: bool = Field(True, description="Check each shard's hash as it is fetched.")
     clean_stale_shared_memory: bool = Field(
         True,
-        description="Remove shared memory left by crashed runs before the first loader of a "
-        "process starts (unsafe if another training job is reading on the same machine).",
+        description="Before reading, remove streaming's shared memory and lock files that no "
+        "live process uses (left by crashed runs).",
     )
 
 

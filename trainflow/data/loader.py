@@ -14,24 +14,24 @@ the same global order. No Prefect here: this runs on every rank.
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from streaming import StreamingDataLoader, StreamingDataset
-from streaming.base.util import clean_stale_shared_memory
 
 from trainflow.data.config import LoaderConfig
 from trainflow.data.errors import DataError
 from trainflow.data.paths import join_uri, stream_cache_dir
+from trainflow.data.shm import clean_stale_streaming_state
 from trainflow.data.store import read_manifest
 
 logger = logging.getLogger(__name__)
 
 _STATE_KEYS = {"epoch", "sample_in_epoch", "num_canonical_nodes", "shuffle_seed"}
-_shm_cleaned = False
 
 
 class PadCollate:
@@ -61,6 +61,30 @@ class PadCollate:
         return batch
 
 
+class _CheckedStreamingDataset(StreamingDataset):
+    """`StreamingDataset` that fails an epoch whose shard download or check failed.
+
+    `streaming` runs downloads and hash checks in background threads; when one fails it ends
+    the epoch early and only logs the error, so a corrupted shard would silently shorten the
+    epoch. Here the error is kept and raised where the samples are consumed.
+    """
+
+    def on_exception(self, future: Future) -> None:
+        """Keep the background thread's error before streaming stops the epoch."""
+        if future.exception() is not None and getattr(self, "_background_error", None) is None:
+            self._background_error = future.exception()
+        super().on_exception(future)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        yield from super().__iter__()
+        error = getattr(self, "_background_error", None)
+        if error is not None:
+            stream = self.streams[0]
+            raise DataError(
+                f"reading split {stream.split!r} of {stream.remote} stopped early: {error}"
+            ) from error
+
+
 class ResumableLoader(StreamingDataLoader):
     """`StreamingDataLoader` that refuses a resume state it would silently ignore."""
 
@@ -82,14 +106,6 @@ class ResumableLoader(StreamingDataLoader):
                 f"{dataset.next_epoch - 1}; build a new loader with state=... to resume"
             )
         super().load_state_dict(obj)
-
-
-def _clean_stale_shared_memory_once() -> None:
-    """Free shared memory left by crashed runs, once per process (later loaders are live)."""
-    global _shm_cleaned
-    if not _shm_cleaned:
-        clean_stale_shared_memory()
-        _shm_cleaned = True
 
 
 def build_dataloader(
@@ -131,8 +147,11 @@ def build_dataloader(
             f"split {split!r} not in dataset {uri}; it has {sorted(manifest['splits'])}"
         )
     if config.clean_stale_shared_memory:
-        _clean_stale_shared_memory_once()
-    dataset = StreamingDataset(
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            clean_stale_streaming_state()
+        if dist.is_initialized():
+            dist.barrier()
+    dataset = _CheckedStreamingDataset(
         remote=uri,
         local=str(stream_cache_dir(uri)),
         split=split,

@@ -1,0 +1,190 @@
+"""build_dataloader in one process: order, resume guards, stale shared memory, bad shards, S3."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from streaming import StreamingDataset
+
+from tests.unit.conftest_data import batch_ids, run_python, tabular_config
+from trainflow.data import DataError, LoaderConfig, build_dataloader, prepare_dataset
+from trainflow.data.paths import stream_cache_dir
+from trainflow.data.shm import GRACE_S, SHM_DIR
+
+
+@pytest.fixture
+def clicks(tmp_path):
+    """A published 200-row tabular dataset (train only)."""
+    return prepare_dataset(tabular_config(tmp_path, shard_size="2kb"))
+
+
+def _flat(batches):
+    return [i for batch in batches for i in batch]
+
+
+def test_one_rank_reads_every_sample_once_in_a_seeded_order(clicks):
+    config = LoaderConfig(batch_size=8, seed=5)
+    first = _flat(batch_ids(build_dataloader(clicks.uri, "train", config)))
+    again = _flat(batch_ids(build_dataloader(clicks.uri, "train", config)))
+    other = _flat(
+        batch_ids(build_dataloader(clicks.uri, "train", config.model_copy(update={"seed": 6})))
+    )
+    assert sorted(first) == list(range(200))
+    assert first == again
+    assert first != other and sorted(other) == sorted(first)
+    assert first != sorted(first)
+
+
+def test_resume_in_one_process_continues_after_sample_k(clicks):
+    config = LoaderConfig(batch_size=8, seed=1)
+    order = _flat(batch_ids(build_dataloader(clicks.uri, "train", config)))
+    head_loader = build_dataloader(clicks.uri, "train", config)
+    head = _flat(batch_ids(head_loader, 7))
+    state = head_loader.state_dict()
+    assert state["sample_in_epoch"] == 56 and head == order[:56]
+    tail = _flat(batch_ids(build_dataloader(clicks.uri, "train", config, state=state)))
+    assert tail == order[56:]
+
+
+def test_stale_state_that_streaming_would_ignore_is_refused(clicks):
+    config = LoaderConfig(batch_size=50)
+    loader = build_dataloader(clicks.uri, "train", config)
+    batch_ids(loader, 1)
+    state = loader.state_dict()
+    batch_ids(loader)  # the loader has now begun epoch 1
+    with pytest.raises(DataError, match="state is for epoch 0 but this loader already started"):
+        loader.load_state_dict(state)
+    with pytest.raises(DataError, match=r"missing \['num_canonical_nodes'"):
+        loader.load_state_dict({"epoch": 0, "sample_in_epoch": 0, "shuffle_seed": 1})
+
+
+def test_unknown_split_and_unpublished_uri_are_named(clicks, tmp_path):
+    with pytest.raises(DataError, match=r"split 'test' not in dataset .*; it has \['train'\]"):
+        build_dataloader(clicks.uri, "test", LoaderConfig(batch_size=4))
+    with pytest.raises(DataError, match=rf"no published dataset at {tmp_path}"):
+        build_dataloader(str(tmp_path), "train", LoaderConfig(batch_size=4))
+
+
+def test_several_ranks_without_a_process_group_are_refused(clicks, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DataError, match="reading on 2 ranks needs the default process group"):
+        build_dataloader(clicks.uri, "train", LoaderConfig(batch_size=4))
+
+
+def test_corrupted_shard_fails_the_hash_check_naming_the_file(tmp_path):
+    result = prepare_dataset(tabular_config(tmp_path, shard_size="2kb", compression=None))
+    shard = sorted((Path(result.uri) / "train").glob("shard.*.mds"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-8:] = bytes(8 - i for i in range(8))  # same size, different bytes
+    shard.write_bytes(bytes(data))
+    loader = build_dataloader(result.uri, "train", LoaderConfig(batch_size=8, shuffle=False))
+    # streaming alone would end this epoch early and only log the error.
+    with pytest.raises(
+        DataError, match=rf"split 'train' of .* stopped early: Checksum failure: .*/{shard.name}"
+    ):
+        batch_ids(loader)
+
+
+@pytest.mark.slow
+def test_run_after_a_crashed_run_with_stale_shared_memory_starts_cleanly(clicks):
+    # A reader killed together with its process group (as an OOM kill or a launcher stop does)
+    # leaves streaming's shared memory behind; Python's resource tracker dies with it.
+    code = (
+        "from tests.unit.conftest_data import hold_loader_then_wait; "
+        f"hold_loader_then_wait({clicks.uri!r}, 'train')"
+    )
+    proc = run_python(code, stdout=subprocess.PIPE, env={**os.environ})
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    stale = [p for p in SHM_DIR.iterdir() if p.name.endswith("_locals")]
+    stale = [
+        p
+        for p in stale
+        if str(stream_cache_dir(clicks.uri)) in p.read_bytes().decode(errors="ignore")
+    ]
+    assert len(stale) == 1, "the killed reader should have left its shared memory"
+    time.sleep(max(0.0, GRACE_S + 0.1 - (time.time() - stale[0].stat().st_mtime)))
+
+    # streaming alone refuses to start next to the leftovers...
+    with pytest.raises(ValueError, match="Reused local directory"):
+        StreamingDataset(
+            remote=clicks.uri, local=str(stream_cache_dir(clicks.uri)), split="train", batch_size=4
+        )
+    # ...while build_dataloader removes them first and reads the whole split.
+    loader = build_dataloader(clicks.uri, "train", LoaderConfig(batch_size=8))
+    assert not stale[0].exists()
+    assert sorted(_flat(batch_ids(loader))) == list(range(200))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def s3_server(monkeypatch, tmp_path):
+    """A real S3-compatible server (moto) on loopback, with a bucket 'datasets'."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("moto server did not start") from None
+            time.sleep(0.2)
+    for key, value in {
+        "S3_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="datasets")
+    try:
+        yield endpoint
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+
+
+def test_s3_output_is_uploaded_cached_and_streamed_back(tmp_path, s3_server):
+    import boto3
+
+    config = tabular_config(tmp_path, output_root="s3://datasets/prepared", shard_size="2kb")
+    first = prepare_dataset(config)
+    assert first.uri.startswith("s3://datasets/prepared/clicks-") and not first.cache_hit
+    keys = [
+        o["Key"]
+        for o in boto3.client("s3", endpoint_url=s3_server).list_objects_v2(Bucket="datasets")[
+            "Contents"
+        ]
+    ]
+    prefix = first.uri.removeprefix("s3://datasets/")
+    assert f"{prefix}/manifest.json" in keys and f"{prefix}/train/index.json" in keys
+    assert sum(k.endswith(".mds.zstd") for k in keys) > 1
+
+    assert prepare_dataset(config).cache_hit
+    loader = build_dataloader(first.uri, "train", LoaderConfig(batch_size=16))
+    assert sorted(_flat(batch_ids(loader))) == list(range(200))

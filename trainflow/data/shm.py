@@ -1,0 +1,79 @@
+"""Remove `streaming` shared memory and lock files left behind by runs that are gone.
+
+`streaming` keeps each dataset's coordination state in `/dev/shm/<prefix>_<name>` and lock files
+`<tmp>/<prefix>_*_filelock`, where the prefix is the first number whose lock files do not exist.
+A run killed with its process group (an OOM kill, a launcher stopping a job) leaves its shared
+memory behind, and lock files are left even by clean exits. `streaming`'s own
+`clean_stale_shared_memory()` stops at the first unused prefix, so it misses most leftovers, and
+it unlinks memory that live jobs still use. Here a prefix counts as stale only when no process
+maps any of its shared memory, so cleaning is safe while other jobs read on the machine.
+"""
+
+import logging
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from streaming.base.constant import SHM_TO_CLEAN
+from streaming.base.util import clean_stale_shared_memory
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+_SHM_NAME = re.compile(r"^(\d{6})_(" + "|".join(SHM_TO_CLEAN) + r")$")
+_LOCK_NAME = re.compile(r"^(\d{6})_(barrier|cache)_filelock$")
+_MAPPED = re.compile(r"/dev/shm/(\d{6})_")
+# A file this young may belong to a run between creating and mapping it.
+GRACE_S = 2.0
+
+
+def _prefixes_in_use() -> set[str]:
+    live: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            live.update(_MAPPED.findall(maps.read_text()))
+        except OSError:  # the process exited, or is not ours to read
+            continue
+    return live
+
+
+def _stale(path: Path, pattern: re.Pattern[str], live: set[str], now: float) -> bool:
+    match = pattern.match(path.name)
+    if not match or match.group(1) in live:
+        return False
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return False
+    return stat.st_uid == os.getuid() and now - stat.st_mtime > GRACE_S
+
+
+def clean_stale_streaming_state() -> list[str]:
+    """Delete shared memory and lock files of `streaming` runs that no process uses.
+
+    Falls back to `streaming`'s own cleanup where `/dev/shm` and `/proc` do not exist.
+
+    Returns:
+        Paths removed.
+    """
+    if not (SHM_DIR.is_dir() and Path("/proc/self/maps").is_file()):
+        clean_stale_shared_memory()
+        return []
+    candidates = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()]
+    candidates += [(p, _LOCK_NAME) for p in Path(tempfile.gettempdir()).iterdir()]
+    # List first, then read the maps: anything listed and live is mapped by then.
+    live = _prefixes_in_use()
+    now = time.time()
+    removed = []
+    for path, pattern in candidates:
+        if _stale(path, pattern, live, now):
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            removed.append(str(path))
+    if removed:
+        logger.info("removed %d stale streaming files: %s", len(removed), removed)
+    return removed
