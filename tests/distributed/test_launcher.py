@@ -273,3 +273,47 @@ def test_rank_output_is_forwarded_line_by_line_with_rank(capfd):
     assert "[rank 1] partial line without newline" in out
     logs = sorted((trainflow_home() / "runs").glob("*/logs/rank_1.log"))
     assert logs and "hello from rank 1" in logs[0].read_text()
+
+
+@distributed(gpus=4, gpu_type="cpu", nnodes=2, timeout=180, init_process_group=True)
+def two_node_sum() -> tuple:
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return runtime.get_global_rank(), runtime.get_node_rank(), runtime.get_world_size(), t.item()
+
+
+def test_two_nodes_rendezvous_through_torch_elastic(monkeypatch):
+    """Two agents on one machine stand in for two nodes: same endpoint, same run id."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("TRAINFLOW_RDZV_ENDPOINT", f"127.0.0.1:{port}")
+    monkeypatch.setenv("TRAINFLOW_RUN_ID", "two-node-test")
+    results: list = []
+    errors: list = []
+
+    def node() -> None:
+        try:
+            results.append(two_node_sum.distributed())
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    ranks = sorted(r for node_results in results for r in node_results)
+    assert [r[0] for r in ranks] == [0, 1, 2, 3]
+    assert sorted({r[1] for r in ranks}) == [0, 1]
+    assert all(r[2] == 4 and r[3] == 6.0 for r in ranks)
+    assert all(len(node_results) == 2 for node_results in results)
+
+
+def test_two_nodes_without_a_rendezvous_endpoint_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRAINFLOW_RDZV_ENDPOINT", raising=False)
+    with pytest.raises(LaunchError, match="TRAINFLOW_RDZV_ENDPOINT=host:port"):
+        two_node_sum.distributed()
