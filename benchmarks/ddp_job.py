@@ -1,6 +1,6 @@
 """A short DDP job, runnable under `torchrun` or `trainflow.distributed` alike.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/ddp_job.py OUT.json STEPS
+torchrun --standalone --nproc-per-node 2 benchmarks/ddp_job.py OUT.json STEPS
 """
 
 import json
@@ -31,8 +31,12 @@ def run(steps: int) -> dict:
             if step == 0:
                 first_step_at = time.time()
         dist.barrier()
-        return {"rank": runtime.get_global_rank(), "first_step_at": first_step_at,
-                "last_step_at": time.time(), "loss": loss.item()}
+        return {
+            "rank": runtime.get_global_rank(),
+            "first_step_at": first_step_at,
+            "last_step_at": time.time(),
+            "loss": loss.item(),
+        }
 
 
 if __name__ == "__main__":

@@ -33,18 +33,29 @@ def via_torchrun(steps: int) -> tuple[float, float]:
         out = Path(tmp) / "out.json"
         start = time.time()
         subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node", "2", str(REPO / "benchmarks" / "ddp_job.py"), str(out),
-             str(steps)],
-            check=True, cwd=REPO, capture_output=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(REPO / "benchmarks" / "ddp_job.py"),
+                str(out),
+                str(steps),
+            ],
+            check=True,
+            cwd=REPO,
+            capture_output=True,
         )
         wall = time.time() - start
         return wall, json.loads(out.read_text())["first_step_at"] - start
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=3, help="Runs of each launcher.")
     parser.add_argument("--steps", type=int, default=200, help="Training steps per run.")
     args = parser.parse_args()
@@ -53,19 +64,27 @@ def main() -> None:
     for _ in range(args.repeats):
         rows["torchrun"].append(via_torchrun(args.steps))
         rows["trainflow"].append(via_trainflow(args.steps))
-    med = {k: (statistics.median(w for w, _ in v), statistics.median(f for _, f in v))
-           for k, v in rows.items()}
-    print(json.dumps({
-        "benchmark": "launch_overhead",
-        "ranks": 2,
-        "steps": args.steps,
-        "repeats": args.repeats,
-        "trainflow_wall_s": round(med["trainflow"][0], 3),
-        "torchrun_wall_s": round(med["torchrun"][0], 3),
-        "wall_ratio_trainflow_vs_torchrun": round(med["trainflow"][0] / med["torchrun"][0], 3),
-        "trainflow_call_to_first_step_s": round(med["trainflow"][1], 3),
-        "torchrun_call_to_first_step_s": round(med["torchrun"][1], 3),
-    }))
+    med = {
+        k: (statistics.median(w for w, _ in v), statistics.median(f for _, f in v))
+        for k, v in rows.items()
+    }
+    print(
+        json.dumps(
+            {
+                "benchmark": "launch_overhead",
+                "ranks": 2,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "trainflow_wall_s": round(med["trainflow"][0], 3),
+                "torchrun_wall_s": round(med["torchrun"][0], 3),
+                "wall_ratio_trainflow_vs_torchrun": round(
+                    med["trainflow"][0] / med["torchrun"][0], 3
+                ),
+                "trainflow_call_to_first_step_s": round(med["trainflow"][1], 3),
+                "torchrun_call_to_first_step_s": round(med["torchrun"][1], 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

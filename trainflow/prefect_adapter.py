@@ -54,12 +54,11 @@ def launch_in_prefect(
         return launch_logged(fn, args, kwargs, options)
     name = getattr(fn, "__name__", "fn")
     as_task = task(
-        launch_logged,
         name=f"{name}.distributed",
         task_run_name=f"{name}.distributed[{options.gpus}]",
         cache_policy=NO_CACHE,
         persist_result=False,
-    )
+    )(launch_logged)
     return as_task(fn, args, kwargs, options)
 
 

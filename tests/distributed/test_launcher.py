@@ -317,3 +317,13 @@ def test_two_nodes_without_a_rendezvous_endpoint_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRAINFLOW_RDZV_ENDPOINT", raising=False)
     with pytest.raises(LaunchError, match="TRAINFLOW_RDZV_ENDPOINT=host:port"):
         two_node_sum.distributed()
+
+
+@distributed(gpus=2, gpu_type="cpu", timeout=120)
+def returns_a_lock():
+    return threading.Lock() if runtime.get_global_rank() == 1 else "fine"
+
+
+def test_unpicklable_return_value_names_the_rank():
+    with pytest.raises(RankError, match="rank 1 failed while sending the return value back"):
+        returns_a_lock.distributed()

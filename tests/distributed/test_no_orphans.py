@@ -40,8 +40,11 @@ def _start_caller(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "caller.py"
     script.write_text(CALLER)
     caller = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path)], cwd=REPO_ROOT, env=os.environ.copy(),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [sys.executable, str(script), str(tmp_path)],
+        cwd=REPO_ROOT,
+        env=os.environ.copy(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 90
     while len(list(tmp_path.glob("pid_*"))) < 2:

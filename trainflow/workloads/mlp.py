@@ -95,7 +95,9 @@ def train(config: MLPConfig, output_dir: str, mlflow_run_id: str | None = None) 
             config.num_train_samples, config.num_features, config.seed, config.noise_std
         )
         dataset = TensorDataset(x, y)
-        sampler = DistributedSampler(dataset, shuffle=True, seed=config.seed, drop_last=True)
+        sampler: DistributedSampler = DistributedSampler(
+            dataset, shuffle=True, seed=config.seed, drop_last=True
+        )
         loader = DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, drop_last=True)
         model = SimpleMLP(config.num_features, config.hidden_size).to(device)
         ddp = DistributedDataParallel(
