@@ -81,9 +81,10 @@ def read_epoch_then_resume(
     return {"epoch": epoch, "head": head, "state": state, "tail": tail}
 
 
-def hold_loader_then_wait(uri: str, split: str) -> None:
-    """Build a loader, say so on stdout, then wait to be killed (for crash tests)."""
-    build_dataloader(uri, split, LoaderConfig(batch_size=4))
+def read_then_wait(uri: str, split: str, num_batches: int) -> None:
+    """Read `num_batches`, say so on stdout, then wait (holding the loader) to be killed."""
+    loader = build_dataloader(uri, split, LoaderConfig(batch_size=4))
+    batch_ids(loader, num_batches)
     print("ready", flush=True)
     signal.pause()
 

@@ -10,7 +10,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from streaming import StreamingDataset
 
 from tests.unit.conftest_data import batch_ids, run_python, tabular_config
 from trainflow.data import DataError, LoaderConfig, build_dataloader, prepare_dataset
@@ -93,11 +92,13 @@ def test_corrupted_shard_fails_the_hash_check_naming_the_file(tmp_path):
 
 @pytest.mark.slow
 def test_run_after_a_crashed_run_with_stale_shared_memory_starts_cleanly(clicks):
-    # A reader killed together with its process group (as an OOM kill or a launcher stop does)
-    # leaves streaming's shared memory behind; Python's resource tracker dies with it.
+    # A run killed together with its process group (as an OOM kill or a launcher stop does)
+    # after building its loader leaves streaming's shared memory behind: Python's resource
+    # tracker dies with it. (Killed after reading, it also leaves lock files, which make
+    # streaming skip, and leak, that memory instead of failing.)
     code = (
-        "from tests.unit.conftest_data import hold_loader_then_wait; "
-        f"hold_loader_then_wait({clicks.uri!r}, 'train')"
+        "from tests.unit.conftest_data import read_then_wait; "
+        f"read_then_wait({clicks.uri!r}, 'train', 0)"
     )
     proc = run_python(code, stdout=subprocess.PIPE, env={**os.environ})
     try:
@@ -112,16 +113,23 @@ def test_run_after_a_crashed_run_with_stale_shared_memory_starts_cleanly(clicks)
         if str(stream_cache_dir(clicks.uri)) in p.read_bytes().decode(errors="ignore")
     ]
     assert len(stale) == 1, "the killed reader should have left its shared memory"
+    stale_inode = stale[0].stat().st_ino
     time.sleep(max(0.0, GRACE_S + 0.1 - (time.time() - stale[0].stat().st_mtime)))
 
-    # streaming alone refuses to start next to the leftovers...
-    with pytest.raises(ValueError, match="Reused local directory"):
-        StreamingDataset(
-            remote=clicks.uri, local=str(stream_cache_dir(clicks.uri)), split="train", batch_size=4
-        )
+    # streaming alone refuses to start next to the leftovers (tried in another process: a
+    # failed attach keeps the stale memory mapped, which would make it look in use here)...
+    refused = run_python(
+        "from streaming import StreamingDataset; "
+        f"StreamingDataset(remote={clicks.uri!r}, local={str(stream_cache_dir(clicks.uri))!r}, "
+        "split='train', batch_size=4)",
+        stderr=subprocess.PIPE,
+    )
+    _, stderr = refused.communicate(timeout=120)
+    assert refused.returncode == 1 and "ValueError: Reused local directory" in stderr
     # ...while build_dataloader removes them first and reads the whole split.
     loader = build_dataloader(clicks.uri, "train", LoaderConfig(batch_size=8))
-    assert not stale[0].exists()
+    # The stale file is gone (the new run may have registered a fresh one under the same name).
+    assert not stale[0].exists() or stale[0].stat().st_ino != stale_inode
     assert sorted(_flat(batch_ids(loader))) == list(range(200))
 
 

@@ -34,9 +34,8 @@ def _published(out: Path) -> list[str]:
 def test_instructions_preset_becomes_chat_shards_with_answer_masks(tmp_path):
     config = load_preset("instructions").model_copy(update={"output_root": str(tmp_path)})
     result = prepare_dataset(config)
-    source = {
-        json.loads(line)["id"]: json.loads(line) for line in open(config.source.files["train"][0])
-    }
+    lines = Path(config.source.files["train"][0]).read_text().splitlines()
+    source = {json.loads(line)["id"]: json.loads(line) for line in lines}
 
     assert {s: i.num_samples for s, i in result.splits.items()} == {
         "train": 2700,
