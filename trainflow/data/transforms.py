@@ -110,9 +110,11 @@ class _ChatTokenizer:
         self.split = split
 
     def _render(self, messages: list[dict[str, str]], prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
+        text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=prompt
         )
+        assert isinstance(text, str)
+        return text
 
     def _spans(self, row_id: int, messages: list[dict[str, str]]) -> tuple[str, list[range]]:
         """The rendered conversation and the character span of each assistant turn."""

@@ -1,0 +1,127 @@
+"""Data throughput: MDS vs Arrow reads, and conversion through the task vs a plain MDSWriter loop.
+
+    python benchmarks/data_throughput.py [--rows 20000]
+
+Prints one JSON line (samples/s; higher is better):
+- read_mds_sps: iterating the prepared split with `build_dataloader` (batch 64, one process);
+- read_arrow_sps: the same rows and columns as a `datasets` Arrow table through a torch
+  `DataLoader` with the same `PadCollate` (batch 64, one process);
+- convert_task_sps: JSONL -> chat tokens -> published MDS through the `prepare-dataset` Prefect
+  task (cache refreshed, so it does the work; the Prefect server's start-up is not counted);
+- convert_plain_sps: the same rows through a plain loop of `apply_chat_template` (assistant
+  mask from the template's generation markers) and `MDSWriter.write`.
+Everything runs in a temporary TRAINFLOW_HOME and PREFECT_HOME.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=20000, help="instruction rows to convert")
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="trainflow-bench-"))
+    os.environ["TRAINFLOW_HOME"] = str(scratch / "home")
+    os.environ["PREFECT_HOME"] = str(scratch / "prefect")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    sys.path.insert(0, str(REPO_ROOT))
+
+    import datasets
+    import numpy as np
+    from prefect import flow
+    from streaming import MDSWriter, StreamingDataset
+    from torch.utils.data import DataLoader
+    from transformers import AutoTokenizer
+
+    from tasks.data import _prepare_dataset
+    from trainflow.data import DataConfig, FileSource, LoaderConfig, PadCollate, build_dataloader
+    from trainflow.data.synthetic import instruction_rows, write_jsonl
+
+    datasets.disable_progress_bars()
+    tokenizer_dir = str(REPO_ROOT / "data" / "tokenizer")
+    source = scratch / "instructions.jsonl"
+    rows = instruction_rows(args.rows, seed=1)
+    write_jsonl(rows, source)
+    config = DataConfig.model_validate(
+        {
+            "name": "bench",
+            "source": {"kind": "files", "files": {"train": [str(source)]}},
+            "id_column": "id",
+            "transform": {"name": "chat", "tokenizer": tokenizer_dir},
+        }
+    )
+
+    @flow(name="bench-prepare")
+    def run_task(cfg: DataConfig):
+        return _prepare_dataset.with_options(refresh_cache=True)(cfg)
+
+    # Start Prefect's server first, on other rows so that no map result can be reused.
+    warmup = scratch / "warmup.jsonl"
+    write_jsonl(instruction_rows(100, seed=2), warmup)
+    run_task(config.model_copy(update={"source": FileSource(files={"train": [str(warmup)]})}))
+    start = time.perf_counter()
+    result = run_task(config.model_copy(update={"output_root": str(scratch / "task")}))
+    convert_task = args.rows / (time.perf_counter() - start)
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    columns = {"id": "int64", "input_ids": "ndarray:int32", "assistant_masks": "ndarray:uint8"}
+    start = time.perf_counter()
+    with MDSWriter(out=str(scratch / "plain"), columns=columns, compression="zstd") as writer:
+        for line in source.read_text().splitlines():
+            row = json.loads(line)
+            encoded = tokenizer.apply_chat_template(
+                row["messages"], return_dict=True, return_assistant_tokens_mask=True
+            )
+            writer.write(
+                {
+                    "id": row["id"],
+                    "input_ids": np.asarray(encoded["input_ids"], np.int32),
+                    "assistant_masks": np.asarray(encoded["assistant_masks"], np.uint8),
+                }
+            )
+    convert_plain = args.rows / (time.perf_counter() - start)
+
+    loader = build_dataloader(result.uri, "train", LoaderConfig(batch_size=64, shuffle=False))
+    start = time.perf_counter()
+    read = sum(len(batch["id"]) for batch in loader)
+    read_mds = read / (time.perf_counter() - start)
+
+    # The very same rows and columns as an Arrow table, through the same collate into tensors.
+    mds = StreamingDataset(local=str(Path(result.uri) / "train"), batch_size=64)
+    samples = [mds[i] for i in range(mds.num_samples)]
+    arrow = datasets.Dataset.from_dict(
+        {c: [s[c].tolist() if c != "id" else int(s[c]) for s in samples] for c in columns}
+    ).with_format("numpy")
+    arrow_loader = DataLoader(arrow, batch_size=64, collate_fn=PadCollate())
+    start = time.perf_counter()
+    read = sum(len(batch["id"]) for batch in arrow_loader)
+    read_arrow = read / (time.perf_counter() - start)
+
+    print(
+        json.dumps(
+            {
+                "benchmark": "data_throughput",
+                "rows": args.rows,
+                "read_mds_sps": round(read_mds),
+                "read_arrow_sps": round(read_arrow),
+                "read_mds_over_arrow": round(read_mds / read_arrow, 3),
+                "convert_task_sps": round(convert_task),
+                "convert_plain_sps": round(convert_plain),
+                "convert_task_over_plain": round(convert_task / convert_plain, 3),
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
