@@ -29,9 +29,7 @@ def _task_states_and_logs(state) -> tuple[list[str], str]:
     return [t.state.name for t in task_runs], "\n".join(log.message for log in logs)
 
 
-def test_second_run_is_a_prefect_cache_hit_and_a_deleted_dataset_is_rebuilt(
-    prefect_api, tmp_path
-):
+def test_second_run_is_a_prefect_cache_hit_and_a_deleted_dataset_is_rebuilt(prefect_api, tmp_path):
     config = tabular_config(tmp_path)
 
     first = prepare(config, return_state=True)
