@@ -81,12 +81,33 @@ def read_epoch_then_resume(
     return {"epoch": epoch, "head": head, "state": state, "tail": tail}
 
 
-def read_then_wait(uri: str, split: str, num_batches: int) -> None:
-    """Read `num_batches`, say so on stdout, then wait (holding the loader) to be killed."""
-    loader = build_dataloader(uri, split, LoaderConfig(batch_size=4))
-    batch_ids(loader, num_batches)
-    print("ready", flush=True)
-    signal.pause()
+def crash_reader_then_open_plainly(uri: str, split: str) -> None:
+    """Leave a crashed reader's state behind, then open the split with plain `streaming`.
+
+    A forked child in its own session builds a loader and is killed with its process group (as
+    an OOM kill or a launcher stop does; Python's resource tracker dies with it). This process
+    then builds a plain `StreamingDataset` on the same split and prints the outcome.
+    """
+    from streaming import StreamingDataset
+
+    from trainflow.data.paths import stream_cache_dir
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        loader = build_dataloader(uri, split, LoaderConfig(batch_size=4))
+        os.write(write_end, b"ready")
+        signal.pause()
+        del loader
+    assert os.read(read_end, 5) == b"ready"
+    os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    try:
+        StreamingDataset(remote=uri, local=str(stream_cache_dir(uri)), split=split, batch_size=4)
+        print("opened", flush=True)
+    except ValueError as err:
+        print(f"refused: {err}", flush=True)
 
 
 def prepare_and_die_mid_write(config_json: str, after_samples: int) -> None:

@@ -92,41 +92,24 @@ def test_corrupted_shard_fails_the_hash_check_naming_the_file(tmp_path):
 
 @pytest.mark.slow
 def test_run_after_a_crashed_run_with_stale_shared_memory_starts_cleanly(clicks):
-    # A run killed together with its process group (as an OOM kill or a launcher stop does)
-    # after building its loader leaves streaming's shared memory behind: Python's resource
-    # tracker dies with it. (Killed after reading, it also leaves lock files, which make
-    # streaming skip, and leak, that memory instead of failing.)
-    code = (
-        "from tests.unit.conftest_data import read_then_wait; "
-        f"read_then_wait({clicks.uri!r}, 'train', 0)"
+    # Killed with its process group after building its loader, a run leaves streaming's shared
+    # memory behind, and plain streaming then refuses the split. (Killed after reading, it also
+    # leaves lock files, which make streaming skip, and leak, that memory instead.)
+    crashed = run_python(
+        "from tests.unit.conftest_data import crash_reader_then_open_plainly as f; "
+        f"f({clicks.uri!r}, 'train')",
+        stdout=subprocess.PIPE,
     )
-    proc = run_python(code, stdout=subprocess.PIPE, env={**os.environ})
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    stale = [p for p in SHM_DIR.iterdir() if p.name.endswith("_locals")]
-    stale = [
-        p
-        for p in stale
-        if str(stream_cache_dir(clicks.uri)) in p.read_bytes().decode(errors="ignore")
-    ]
+    out, _ = crashed.communicate(timeout=180)
+    assert crashed.returncode == 0
+    assert out.startswith("refused: Reused local directory")
+    cache = str(stream_cache_dir(clicks.uri))
+    stale = [p for p in SHM_DIR.glob("*_locals") if cache in p.read_bytes().decode(errors="ignore")]
     assert len(stale) == 1, "the killed reader should have left its shared memory"
     stale_inode = stale[0].stat().st_ino
     time.sleep(max(0.0, GRACE_S + 0.1 - (time.time() - stale[0].stat().st_mtime)))
 
-    # streaming alone refuses to start next to the leftovers (tried in another process: a
-    # failed attach keeps the stale memory mapped, which would make it look in use here)...
-    refused = run_python(
-        "from streaming import StreamingDataset; "
-        f"StreamingDataset(remote={clicks.uri!r}, local={str(stream_cache_dir(clicks.uri))!r}, "
-        "split='train', batch_size=4)",
-        stderr=subprocess.PIPE,
-    )
-    _, stderr = refused.communicate(timeout=120)
-    assert refused.returncode == 1 and "ValueError: Reused local directory" in stderr
-    # ...while build_dataloader removes them first and reads the whole split.
+    # build_dataloader removes what no live process uses, then reads the whole split.
     loader = build_dataloader(clicks.uri, "train", LoaderConfig(batch_size=8))
     # The stale file is gone (the new run may have registered a fresh one under the same name).
     assert not stale[0].exists() or stale[0].stat().st_ino != stale_inode
