@@ -9,11 +9,13 @@ published dataset was deleted since, the record is refreshed instead of returned
 import hashlib
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import Task, get_run_logger, task
 from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.client.schemas.objects import TaskRun
 from prefect.context import TaskRunContext
+from prefect.states import State
 
-from trainflow.data import DataConfig, PreparedDataset, dataset_uri, find_published
+from trainflow.data import DataConfig, DataError, PreparedDataset, dataset_uri, find_published
 from trainflow.data import prepare_dataset as build_dataset
 
 
@@ -22,11 +24,23 @@ def _dataset_key(_: TaskRunContext, parameters: dict[str, Any]) -> str:
     return "trainflow-dataset-" + hashlib.sha256(uri.encode()).hexdigest()
 
 
+def _retry_unless_bad_input(_task: Task, _run: TaskRun, state: State) -> bool:
+    """Retry I/O failures (the build is idempotent), never bad input."""
+    try:
+        state.result()
+    except DataError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
 @task(
     name="prepare-dataset",
     cache_policy=CacheKeyFnPolicy(cache_key_fn=_dataset_key),
     persist_result=True,
-    retries=1,  # idempotent: a retry finds what is already published
+    retries=1,
+    retry_condition_fn=_retry_unless_bad_input,
 )
 def _prepare_dataset(config: DataConfig) -> PreparedDataset:
     result = build_dataset(config)

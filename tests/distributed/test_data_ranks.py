@@ -1,5 +1,7 @@
 """Two real ranks (gloo) reading one split: disjoint, complete, and exactly resumable."""
 
+import pytest
+
 from tests.unit.conftest_data import (
     batch_ids,
     interleave,
@@ -14,6 +16,7 @@ read_on_two_ranks = distributed(gpus=2, gpu_type="cpu", timeout=180, init_proces
 )
 
 
+@pytest.mark.slow
 def test_two_ranks_partition_the_split_and_resume_exactly_on_two_and_on_one_rank(tmp_path):
     dataset = prepare_dataset(tabular_config(tmp_path, num_rows=240, shard_size="2kb"))
     config = LoaderConfig(batch_size=6, seed=11)

@@ -3,6 +3,7 @@
 import shutil
 from pathlib import Path
 
+import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     FlowRunFilter,
@@ -14,6 +15,7 @@ from prefect.client.schemas.filters import (
 from flows.prepare import _config_from_args, prepare
 from tests.conftest import flush_prefect_logs
 from tests.unit.conftest_data import tabular_config
+from trainflow.data import DataError
 
 
 def _task_states_and_logs(state) -> tuple[list[str], str]:
@@ -62,3 +64,19 @@ def test_command_line_selects_a_preset_or_a_yaml_config(tmp_path):
     config = tabular_config(tmp_path)
     path.write_text(config.model_dump_json())  # JSON is YAML
     assert _config_from_args(["--config", str(path)]) == config
+
+
+def test_bad_input_fails_the_flow_once_naming_the_column(prefect_api, tmp_path):
+    config = tabular_config(
+        tmp_path, transform={"name": "tabular", "columns": {"price": "float32"}}
+    )
+    state = prepare(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(DataError, match="column 'price' missing from split 'train'"):
+        state.result()
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        (task_run,) = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    assert task_run.run_count == 1, "bad input must not be retried"

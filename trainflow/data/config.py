@@ -5,7 +5,6 @@ how rows become training columns (`transform`, chosen by name) and how the MDS s
 written. Validators reject bad input before any file is read.
 """
 
-import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -15,11 +14,12 @@ from streaming.base.compression import is_compression
 from streaming.base.hashing import get_hashes
 from streaming.base.util import bytes_to_int
 
+from trainflow.paths import safe_name
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESETS_DIR = Path(__file__).with_name("presets")
 
 FORMATS_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 ScalarType = Literal[
     "int8",
@@ -197,12 +197,7 @@ class DataConfig(_Model):
     @field_validator("name")
     @classmethod
     def _safe_name(cls, name: str) -> str:
-        if not _SAFE_NAME.match(name) or ".." in name:
-            raise ValueError(
-                f"name {name!r}: use letters, digits, '.', '_' or '-' (at most 64), "
-                "starting with a letter or digit"
-            )
-        return name
+        return safe_name(name, "name")
 
     @field_validator("compression")
     @classmethod

@@ -4,10 +4,7 @@ import hashlib
 import os
 from pathlib import Path
 
-
-def trainflow_home() -> Path:
-    """Root for trainflow's files: `$TRAINFLOW_HOME`, else `~/.cache/trainflow`."""
-    return Path(os.environ.get("TRAINFLOW_HOME") or Path.home() / ".cache" / "trainflow")
+from trainflow.paths import trainflow_home
 
 
 def default_datasets_root() -> Path:
