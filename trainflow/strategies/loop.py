@@ -1,0 +1,103 @@
+"""The train loop every technique shares: micro-batches, step, log, checkpoint.
+
+It never asks which technique runs it: the strategy decides how backward, the optimizer step,
+gradient synchronisation and checkpoints work.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainflow import checkpoint, runtime
+from trainflow.strategies.base import Strategy
+from trainflow.tracking import MetricsSink
+
+Batch = Sequence[torch.Tensor]
+# (model, micro-batch on the rank's device) -> {"loss": ..., other metrics}, scalar tensors.
+ComputeFn = Callable[[nn.Module, Batch], Mapping[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When to stop, log and checkpoint."""
+
+    num_steps: int
+    log_every: int
+    checkpoint_every: int
+
+    def should_log(self, step: int) -> bool:
+        """Log every `log_every` steps and at the last step."""
+        return step % self.log_every == 0 or step == self.num_steps
+
+    def should_checkpoint(self, step: int) -> bool:
+        """Checkpoint every `checkpoint_every` steps (0: never) and at the last step."""
+        every = self.checkpoint_every
+        return every > 0 and (step % every == 0 or step == self.num_steps)
+
+
+@dataclass
+class FitResult:
+    """What `fit` did: steps reached, logged metrics by step, last checkpoint written."""
+
+    steps: int
+    history: dict[int, dict[str, float]] = field(default_factory=dict)
+    last_checkpoint: Path | None = None
+
+
+def mean_over_ranks(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Average scalar tensors over all ranks (one all-reduce)."""
+    keys = sorted(values)
+    stacked = torch.stack([values[k].detach().float() for k in keys])
+    dist.all_reduce(stacked)
+    return dict(zip(keys, (stacked / dist.get_world_size()).tolist(), strict=True))
+
+
+def fit(
+    strategy: Strategy,
+    batches: Callable[[int], Sequence[Batch]],
+    compute: ComputeFn,
+    schedule: Schedule,
+    sink: MetricsSink,
+    checkpoint_root: Path,
+    start_step: int = 0,
+) -> FitResult:
+    """Train from `start_step` to `schedule.num_steps`.
+
+    Args:
+        strategy: A strategy whose `wrap` has run.
+        batches: Step number (1-based) -> this rank's micro-batches for that step.
+        compute: Forward one micro-batch; returns the loss and any other metrics.
+        schedule: Steps, logging and checkpoint cadence.
+        sink: Where rank 0 logs metrics (a null sink elsewhere).
+        checkpoint_root: Folder for `step_NNNNNN` checkpoints.
+        start_step: Steps already done (from a checkpoint).
+    """
+    model, device = strategy.wrapped, strategy.device
+    result = FitResult(steps=start_step)
+    for step in range(start_step + 1, schedule.num_steps + 1):
+        micro = batches(step)
+        totals: dict[str, torch.Tensor] = {}
+        for i, batch in enumerate(micro):
+            with strategy.micro_batch(sync=i == len(micro) - 1):
+                metrics = compute(model, [t.to(device) for t in batch])
+                strategy.backward(metrics["loss"] / len(micro))
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0) + value.detach() / len(micro)
+        strategy.step()
+        result.steps = step
+        if schedule.should_log(step):
+            logged = mean_over_ranks(totals)
+            result.history[step] = logged
+            sink.log(step, {f"train_{k}": v for k, v in logged.items()})
+            shown = " ".join(f"{k} {v:.4f}" for k, v in logged.items())
+            runtime.print0(f"step {step}/{schedule.num_steps} {shown}")
+        if schedule.should_checkpoint(step):
+            path = checkpoint.checkpoint_path(checkpoint_root, step)
+            strategy.save(path, step)
+            result.last_checkpoint = path
+    sink.flush()
+    return result
