@@ -126,7 +126,8 @@ class _ChatTokenizer:
                 if message["role"] != "assistant":
                     continue
                 before = self._render(messages[:i], prompt=True)
-                through = self._render(messages[: i + 1], prompt=False)
+                last = i == len(messages) - 1
+                through = text if last else self._render(messages[: i + 1], prompt=False)
                 if not (text.startswith(before) and text.startswith(through)):
                     raise DataError(
                         f"{where}: the chat template does not render turns as prefixes of the "
