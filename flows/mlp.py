@@ -17,11 +17,12 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from tasks.evaluation import evaluate_mlp
+from tasks.reporting import publish_summary
 from tasks.tracking import log_metrics, register_pytorch_model
 from tasks.training import launch_training
 from trainflow import LaunchOptions
 from trainflow.cli import parse_config
-from trainflow.paths import safe_name, trainflow_home
+from trainflow.paths import trainflow_home
 from trainflow.tracking import pipeline_run, tracking_uri
 from trainflow.workloads import mlp as workload
 
@@ -39,7 +40,6 @@ class MLPResult(BaseModel):
 @flow(name="mlp", log_prints=True)
 def mlp(config: workload.MLPConfig = workload.MLPConfig()) -> MLPResult:
     """Train the simple MLP with DDP, evaluate on held-out data, register if it learned."""
-    safe_name(config.registered_model_name, "registered_model_name")
     with pipeline_run(
         config.experiment_name,
         run_name=f"mlp-{flow_run.get_name() or 'local'}",
@@ -72,6 +72,14 @@ def mlp(config: workload.MLPConfig = workload.MLPConfig()) -> MLPResult:
             )
         else:
             print(f"eval_r2={metrics['eval_r2']:.3f} < min_r2={config.min_r2}: not registered")
+    publish_summary(
+        "mlp-summary",
+        title="MLP pipeline",
+        config=config.model_dump(),
+        metrics=metrics,
+        model=f"{config.registered_model_name} v{version}" if version else "not registered",
+        mlflow_run_id=run_id,
+    )
     return MLPResult(
         mlflow_run_id=run_id,
         model_version=version,

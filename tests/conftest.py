@@ -46,8 +46,9 @@ def prefect_api(tmp_path_factory):
         **os.environ,
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false",
         "PREFECT_API_URL": "",
+        # The UI calls the API at this address (its default is port 4200).
+        "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
     }
     log = open(home / "server.log", "wb")  # noqa: SIM115 - closed at teardown
     proc = subprocess.Popen(

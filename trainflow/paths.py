@@ -3,8 +3,17 @@
 import os
 import re
 from pathlib import Path
+from typing import Annotated
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+from pydantic import StringConstraints
+
+SAFE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_SAFE_NAME = re.compile(SAFE_NAME_PATTERN)
+
+# A run, dataset, experiment or model name: one path component that cannot escape its folder
+# ("/" and a leading "." are refused). As a pydantic type it is also in the JSON schema, so the
+# Prefect server rejects a bad name before a run is created.
+SafeName = Annotated[str, StringConstraints(pattern=SAFE_NAME_PATTERN)]
 
 
 def trainflow_home() -> Path:
@@ -18,7 +27,7 @@ def safe_name(value: str, what: str = "name") -> str:
     Rejects separators, `..`, leading dots and anything outside `[A-Za-z0-9._-]`, so a run,
     dataset or model name can never escape the folder it is written under.
     """
-    if not _SAFE_NAME.match(value) or ".." in value:
+    if not _SAFE_NAME.match(value):
         raise ValueError(
             f"{what} {value!r} is not a safe name: use letters, digits, '.', '_' or '-', "
             "starting with a letter or digit, at most 128 characters"

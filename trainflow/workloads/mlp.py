@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainflow import runtime
 from trainflow.models.mlp import SimpleMLP
+from trainflow.paths import SafeName
 from trainflow.tracking import metrics_sink
 
 # Ground-truth function parameters come from a fixed seed, so train and held-out data agree
@@ -46,9 +47,9 @@ class MLPConfig(BaseModel):
         None, description='GPU type such as "H100"; "cpu" forces CPU ranks; empty: what exists.'
     )
     timeout_s: float = Field(900, gt=0, description="Bound on the whole training launch.")
-    experiment_name: str = Field("mlp", min_length=1, description="MLflow experiment.")
-    registered_model_name: str = Field(
-        "mlp", min_length=1, description="MLflow registered model to add a version to."
+    experiment_name: SafeName = Field("mlp", description="MLflow experiment.")
+    registered_model_name: SafeName = Field(
+        "mlp", description="MLflow registered model to add a version to (letters, digits, ._-)."
     )
     min_r2: float = Field(
         0.5, description="Register only when held-out R^2 reaches this (the model learned)."
@@ -107,6 +108,11 @@ def train(config: MLPConfig, output_dir: str, mlflow_run_id: str | None = None) 
         sink = metrics_sink(mlflow_run_id, runtime.is_rank_zero())
         total = config.num_epochs * len(loader)
         max_steps = min(total, config.max_steps or total)
+        print(
+            f"rank {runtime.get_global_rank()}/{runtime.get_world_size()} on {device}: "
+            f"{len(sampler)} rows, {len(loader)} steps per epoch, {max_steps} steps",
+            flush=True,
+        )
         step, loss_value, seen = 0, float("nan"), 0
         for epoch in range(config.num_epochs):
             sampler.set_epoch(epoch)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up a development environment in .venv: pinned dependencies and trainflow itself.
+#
+#   bash scripts/setup.sh                 # Python packages only
+#   bash scripts/setup.sh --with-browser  # also Debian's Chromium, for the UI browser test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ ! -x .venv/bin/python ]]; then
+    python3 -m venv .venv
+fi
+# DeepSpeed compiles no ops at install; the CPU paths use torch's own Adam.
+DS_BUILD_OPS=0 .venv/bin/pip install --quiet --progress-bar off -c constraints.txt -e ".[dev]"
+echo "Python packages installed in .venv"
+
+if [[ "${1:-}" == "--with-browser" ]]; then
+    if [[ -x /usr/bin/chromium ]]; then
+        echo "Chromium present: $(/usr/bin/chromium --version 2>/dev/null || true)"
+    elif [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null; then
+        echo "Installing Debian's chromium for the browser test (about a minute)"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+        echo "Chromium not installed and cannot install it here (needs root and apt-get):"
+        echo "the browser test will be skipped with that reason."
+    fi
+fi

@@ -1,0 +1,37 @@
+"""Run summaries as Prefect artifacts: what a person opens the UI to see."""
+
+from collections.abc import Mapping
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from trainflow.tracking import tracking_uri
+
+
+def _table(rows: Mapping[str, Any]) -> str:
+    lines = ["| name | value |", "|---|---|"]
+    for key, value in rows.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        lines.append(f"| {key} | `{shown}` |")
+    return "\n".join(lines)
+
+
+@task(name="publish-summary", cache_policy=NO_CACHE)
+def publish_summary(
+    key: str,
+    title: str,
+    config: Mapping[str, Any],
+    metrics: Mapping[str, float],
+    model: str,
+    mlflow_run_id: str,
+) -> str:
+    """Create the run's markdown summary artifact (config, metrics, model); returns its id."""
+    markdown = (
+        f"# {title}\n\n**Model:** {model}  \n**MLflow run:** `{mlflow_run_id}` "
+        f"in `{tracking_uri()}`\n\n## Metrics\n\n{_table(metrics)}\n\n"
+        f"## Config\n\n{_table(config)}\n"
+    )
+    artifact_id = create_markdown_artifact(key=key, markdown=markdown, description=title)
+    return str(artifact_id)
