@@ -3,9 +3,10 @@
     python benchmarks/data_throughput.py [--rows 20000]
 
 Prints one JSON line (samples/s; higher is better):
-- read_mds_sps: iterating the prepared split with `build_dataloader` (batch 64, one process);
+- read_mds_sps: iterating the prepared split with `build_dataloader` (batch 64, one process,
+  best of 3 passes);
 - read_arrow_sps: the same rows and columns as a `datasets` Arrow table through a torch
-  `DataLoader` with the same `PadCollate` (batch 64, one process);
+  `DataLoader` with the same `PadCollate` (batch 64, one process, best of 3 passes);
 - convert_task_sps: JSONL -> chat tokens -> published MDS through the `prepare-dataset` Prefect
   task (cache refreshed, so it does the work; the Prefect server's start-up is not counted);
 - convert_plain_sps: the same rows through a plain loop of `apply_chat_template` (assistant
@@ -19,9 +20,21 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _best_rate(loader: Iterable[dict[str, Any]], repeats: int = 3) -> float:
+    """Best samples/s over `repeats` full passes (the machine may be shared)."""
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        count = sum(len(batch["id"]) for batch in loader)
+        rates.append(count / (time.perf_counter() - start))
+    return max(rates)
 
 
 def main() -> None:
@@ -33,6 +46,7 @@ def main() -> None:
     os.environ["PREFECT_HOME"] = str(scratch / "prefect")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     sys.path.insert(0, str(REPO_ROOT))
 
     import datasets
@@ -91,9 +105,7 @@ def main() -> None:
     convert_plain = args.rows / (time.perf_counter() - start)
 
     loader = build_dataloader(result.uri, "train", LoaderConfig(batch_size=64, shuffle=False))
-    start = time.perf_counter()
-    read = sum(len(batch["id"]) for batch in loader)
-    read_mds = read / (time.perf_counter() - start)
+    read_mds = _best_rate(loader)
 
     # The very same rows and columns as an Arrow table, through the same collate into tensors.
     mds = StreamingDataset(local=str(Path(result.uri) / "train"), batch_size=64)
@@ -102,9 +114,7 @@ def main() -> None:
         {c: [s[c].tolist() if c != "id" else int(s[c]) for s in samples] for c in columns}
     ).with_format("numpy")
     arrow_loader = DataLoader(arrow, batch_size=64, collate_fn=PadCollate())
-    start = time.perf_counter()
-    read = sum(len(batch["id"]) for batch in arrow_loader)
-    read_arrow = read / (time.perf_counter() - start)
+    read_arrow = _best_rate(arrow_loader)
 
     print(
         json.dumps(
