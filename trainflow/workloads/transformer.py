@@ -69,7 +69,7 @@ class TrainingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    num_steps: int = Field(default=200, ge=1, description="Optimizer steps.")
+    num_steps: int = Field(default=60, ge=1, description="Optimizer steps.")
     global_batch_size: int = Field(
         default=16,
         ge=1,
@@ -79,9 +79,9 @@ class TrainingConfig(BaseModel):
     optimizer: OptimizerConfig = Field(
         default_factory=OptimizerConfig, description="AdamW settings."
     )
-    log_every: int = Field(default=10, ge=1, description="Log loss and accuracy every N steps.")
+    log_every: int = Field(default=5, ge=1, description="Log loss and accuracy every N steps.")
     checkpoint_every: int = Field(
-        default=100, ge=0, description="Checkpoint every N steps and at the end; 0 disables."
+        default=20, ge=0, description="Checkpoint every N steps and at the end; 0 disables."
     )
     seed: int = Field(default=0, description="Seed for the initial weights and the data.")
 
