@@ -36,6 +36,16 @@ class Profile:
     job_variables: dict[str, Any] = field(default_factory=dict)
 
 
+def requested_size(config: dict[str, Any]) -> tuple[int, str | None, int]:
+    """`(gpus, gpu_type, nnodes)` of a pipeline config, flat or under `resources`."""
+    section = config.get("resources", config)
+    return (
+        int(section.get("gpus", 2)),
+        section.get("gpu_type"),
+        int(section.get("nnodes", 1)),
+    )
+
+
 def select_profile(gpus: int, gpu_type: str | None, nnodes: int = 1) -> Profile:
     """Pick the profile for a run of `gpus` ranks of `gpu_type` over `nnodes` nodes.
 

@@ -16,9 +16,12 @@ from prefect import flow
 from prefect.deployments import run_deployment
 from pydantic import BaseModel, Field
 
-from deployments.profiles import select_profile
+from deployments.catalog import deployments
+from deployments.profiles import requested_size, select_profile
 
-Pipeline = Literal["mlp"]
+# Every flow that prefect.yaml deploys, by flow function name (file and flow share the name).
+PIPELINES = tuple(sorted({e.entrypoint.rpartition(":")[2] for e in deployments()}))
+Pipeline = Literal[PIPELINES]  # type: ignore[valid-type]
 
 
 class LaunchedRun(BaseModel):
@@ -42,9 +45,7 @@ def launch(
         config: The pipeline's config; `gpus`, `gpu_type` and `nnodes` choose the hardware.
         wait: Wait for the pipeline run to finish instead of returning once it is created.
     """
-    profile = select_profile(
-        int(config.get("gpus", 2)), config.get("gpu_type"), int(config.get("nnodes", 1))
-    )
+    profile = select_profile(*requested_size(config))
     name = f"{pipeline}/{profile.deployment}"
     run = run_deployment(
         name,
@@ -64,7 +65,7 @@ if __name__ == "__main__":
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("pipeline", choices=["mlp"], help="Pipeline to run.")
+    parser.add_argument("pipeline", choices=PIPELINES, help="Pipeline to run.")
     parser.add_argument("--config", type=json.loads, default={}, help="Pipeline config (JSON).")
     parser.add_argument("--wait", action="store_true", help="Wait for the run to finish.")
     args = parser.parse_args(sys.argv[1:])

@@ -32,7 +32,6 @@ def main(run_dir: str) -> int:
     rd = RunDir(Path(run_dir))
     spec = rd.read_spec()
     threading.Thread(target=_exit_with_parent, args=(spec["caller_pid"],), daemon=True).start()
-    os.environ.update(spec["env"])
 
     config = LaunchConfig(
         min_nodes=spec["nnodes"],

@@ -257,7 +257,9 @@ class _Launch:
                 "init_process_group": opts.init_process_group,
                 "start_method": self._start_method(res),
                 "sys_path": _caller_sys_path(),
-                "env": self._env(res),
+                # Names only: values (tokens, keys) travel in the agent's environment and are
+                # never written to disk.
+                "env_names": sorted(self._env(res)),
                 "caller_pid": os.getpid(),
             },
             payload,
@@ -269,7 +271,7 @@ class _Launch:
                 stdout=agent_log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(_caller_sys_path())},
+                env={**os.environ, **self._env(res)},
             )
         try:
             timed_out = self._supervise(proc, rd)

@@ -9,7 +9,10 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Protocol
+
+from trainflow.paths import safe_name
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
@@ -17,6 +20,15 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 def tracking_uri() -> str:
     """`$MLFLOW_TRACKING_URI`, else a SQLite store `mlflow.db` in the working directory."""
     return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def _artifact_location(experiment: str) -> str | None:
+    """For a SQLite store, keep artifacts beside the database, not in the working directory."""
+    uri = tracking_uri()
+    if not uri.startswith("sqlite:///"):
+        return None  # a tracking server decides
+    db = Path(uri.removeprefix("sqlite:///")).expanduser().resolve()
+    return (db.parent / "mlartifacts" / safe_name(experiment, "experiment")).as_uri()
 
 
 def _client() -> Any:
@@ -105,7 +117,11 @@ def pipeline_run(
     mlflow.set_tracking_uri(tracking_uri())
     client = _client()
     found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+    experiment_id = (
+        found.experiment_id
+        if found
+        else client.create_experiment(experiment, artifact_location=_artifact_location(experiment))
+    )
     run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
     run_id = run.info.run_id
     from mlflow.entities import Param

@@ -68,6 +68,7 @@ def environment() -> dict:
         "OMP_NUM_THREADS",
         "MY_SETTING",
         "CUDA_VISIBLE_DEVICES",
+        "HF_TOKEN",
     ]
     return {
         "env": {n: os.environ.get(n) for n in names},
@@ -87,6 +88,7 @@ def environment() -> dict:
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_every_rank_sees_the_torchrun_environment_and_helpers_agree(start_method, monkeypatch):
     monkeypatch.setenv("TRAINFLOW_START_METHOD", start_method)
+    monkeypatch.setenv("HF_TOKEN", "hf_secretValue42")
     results = environment.distributed()
     for rank, res in enumerate(results):
         env = res["env"]
@@ -97,10 +99,14 @@ def test_every_rank_sees_the_torchrun_environment_and_helpers_agree(start_method
         assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
         assert res["threads"] == int(env["OMP_NUM_THREADS"])  # honoured, as under torchrun
         assert env["MY_SETTING"] == "forwarded"
+        assert env["HF_TOKEN"] == "hf_secretValue42"  # secrets reach ranks by environment
         assert env["CUDA_VISIBLE_DEVICES"] == ""  # CPU ranks never see a GPU
         assert res["helpers"] == (rank, rank, 2, 2, 0, rank == 0)
         assert res["device"] == "cpu"
     assert results[0]["env"]["MASTER_PORT"] == results[1]["env"]["MASTER_PORT"]
+    run_files = [p for p in (trainflow_home() / "runs").rglob("*") if p.is_file()]
+    assert run_files and not [p for p in run_files if b"hf_secretValue42" in p.read_bytes()]
+    assert not [p for p in run_files if b"forwarded" in p.read_bytes()]  # env= values too
 
 
 def test_runtime_helpers_outside_a_launch_are_rank_zero_of_one(monkeypatch):

@@ -52,7 +52,19 @@ def deployed_run(prefect_api, tmp_path_factory):
         "TRAINFLOW_HOME": str(work / "home"),
     }
     _cli("work-pool", "create", "cpu-local", "--type", "process", "--overwrite", env=env)
-    _cli("--no-prompt", "deploy", "--name", "mlp/cpu-local", env=env)
+    template = REPO_ROOT / "deployments" / "k8s-gpu-job-template.json"
+    _cli(
+        "work-pool",
+        "create",
+        "k8s-gpu",
+        "--type",
+        "kubernetes",
+        "--base-job-template",
+        str(template),
+        "--overwrite",
+        env=env,
+    )
+    _cli("--no-prompt", "deploy", "--name", "mlp/cpu-local", "--name", "mlp/h100", env=env)
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("mlp/cpu-local")
         flow_run = client.create_flow_run_from_deployment(
@@ -171,3 +183,20 @@ def test_prefect_ui_shows_the_run_state_and_artifact(deployed_run):
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
+
+
+def test_launch_flow_sizes_the_run_before_it_starts(deployed_run):
+    from flows.launch import launch
+
+    launched = launch("mlp", {"gpus": 4, "gpu_type": "H100", "num_epochs": 2})
+    assert launched.deployment == "mlp/h100"
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(launched.flow_run_id)
+        deployment = client.read_deployment(run.deployment_id)
+    assert deployment.name == "h100" and deployment.work_pool_name == "k8s-gpu"
+    assert run.job_variables == {
+        "gpus_per_node": 4,
+        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    }
+    assert run.parameters["config"]["gpus"] == 4
+    assert run.state.is_scheduled()  # waiting for a GPU worker; nothing ran here

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +14,14 @@ from tests.conftest import REPO_ROOT
 pytestmark = pytest.mark.slow
 
 
+SECRET = "hf_trainflowTestSecret0123456789"
+
+
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "flows.mlp", *args],
         cwd=REPO_ROOT,
-        env=os.environ.copy(),
+        env={**os.environ, "HF_TOKEN": SECRET},
         capture_output=True,
         text=True,
         timeout=600,
@@ -46,6 +50,20 @@ def test_mlp_pipeline_registers_a_model_that_learned(prefect_api, tmp_path):
     model = mlflow.pytorch.load_model("models:/mlp-e2e/1")
     assert isinstance(model, torch.nn.Module)
     assert model(torch.zeros(3, 10)).shape == (3, 1)
+    _assert_secret_nowhere(out, client, run, version)
+
+
+def _assert_secret_nowhere(output, client, run, version) -> None:
+    """A token in the environment reaches no param, tag, log line, artifact or run file."""
+    assert SECRET not in output
+    texts = [*run.data.params.values(), *run.data.tags.values(), *version.tags.values()]
+    assert not any(SECRET in t for t in texts)
+    db = Path(os.environ["MLFLOW_TRACKING_URI"].removeprefix("sqlite:///"))
+    roots = [db.parent / "mlartifacts", Path(os.environ["TRAINFLOW_HOME"])]
+    files = [p for root in roots for p in root.rglob("*") if p.is_file()]
+    assert any(p.name == "rank_1.log" for p in files) and any(p.name == "MLmodel" for p in files)
+    assert not [p for p in files if SECRET.encode() in p.read_bytes()]
+    assert SECRET.encode() not in db.read_bytes()
 
 
 def test_mlp_pipeline_that_does_not_learn_registers_nothing(prefect_api):

@@ -6,7 +6,7 @@ import pytest
 from prefect.utilities.templating import apply_values
 
 from deployments.catalog import REPO_ROOT, deployments
-from deployments.profiles import GPU_POOL, ProfileError, select_profile
+from deployments.profiles import GPU_POOL, ProfileError, requested_size, select_profile
 
 
 def test_cpu_runs_go_to_the_process_pool():
@@ -59,9 +59,17 @@ def test_kubernetes_template_renders_gpu_request_and_node_selector():
 
 def test_gpu_deployments_in_prefect_yaml_match_their_profile():
     for entry in deployments():
-        config = entry.parameters.get("config", {})
         if entry.work_pool != GPU_POOL:
             continue
-        profile = select_profile(config["gpus"], config["gpu_type"], config.get("nnodes", 1))
+        profile = select_profile(*requested_size(entry.parameters["config"]))
         assert entry.name == profile.deployment
         assert entry.job_variables == profile.job_variables
+
+
+def test_size_is_read_from_flat_or_nested_configs():
+    assert requested_size({"gpus": 8, "gpu_type": "H100"}) == (8, "H100", 1)
+    assert requested_size({"resources": {"gpus": 4, "gpu_type": "cpu", "nnodes": 1}}) == (
+        4,
+        "cpu",
+        1,
+    )
