@@ -1,6 +1,7 @@
 """Shared fixtures: one real Prefect server per test session, isolated state per test."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -97,9 +98,11 @@ def prefect_api(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        proc.terminate()
+        # The server runs in its own session: stop its whole process group.
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         log.close()
