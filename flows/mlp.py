@@ -21,7 +21,7 @@ from tasks.reporting import publish_summary
 from tasks.tracking import log_metrics, register_pytorch_model
 from tasks.training import launch_training
 from trainflow import LaunchOptions
-from trainflow.cli import parse_config
+from trainflow.cli import parse_config, print_summary
 from trainflow.paths import trainflow_home
 from trainflow.tracking import pipeline_run, tracking_uri
 from trainflow.workloads import mlp as workload
@@ -98,13 +98,16 @@ def main(argv: list[str] | None = None) -> MLPResult:
         description=__doc__ or "",
     )
     result = mlp(config)
-    print("\n=== mlp pipeline finished ===")
-    print(f"MLflow store : {result.tracking_uri}")
-    print(f"MLflow run   : {result.mlflow_run_id}")
-    version = result.model_version or "not registered (gate failed)"
-    print(f"Model        : {result.registered_model_name} version {version}")
-    for key, value in result.metrics.items():
-        print(f"{key:<13}: {value:.4f}")
+    print_summary(
+        "mlp pipeline finished",
+        {
+            "MLflow store": result.tracking_uri,
+            "MLflow run": result.mlflow_run_id,
+            "Model": f"{result.registered_model_name} version "
+            + (result.model_version or "not registered (gate failed)"),
+        },
+        result.metrics,
+    )
     return result
 
 

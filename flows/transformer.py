@@ -12,7 +12,6 @@ technique's options). Run locally (2 CPU ranks, local Prefect, SQLite MLflow sto
 Deploy: `prefect --no-prompt deploy --name transformer/cpu-local` (see prefect.yaml).
 """
 
-import json
 import sys
 
 from prefect import flow
@@ -22,7 +21,7 @@ from pydantic import BaseModel, Field
 from flows.techniques import techniques
 from tasks.tracking import log_metrics, register_pytorch_model
 from tasks.transformer import evaluate_transformer
-from trainflow.cli import parse_config
+from trainflow.cli import parse_config, print_summary
 from trainflow.paths import safe_name, trainflow_home
 from trainflow.strategies.job import Workload, local_path
 from trainflow.tracking import pipeline_run, tracking_uri
@@ -100,53 +99,26 @@ def transformer(
     )
 
 
-def _technique_by_name(argv: list[str]) -> tuple[list[str], str | None]:
-    """Accept `--technique NAME` besides the JSON form; return the argv and the name given.
-
-    A bare name becomes `{"name": NAME}`; the name also picks the defaults the other options
-    are merged onto, so `--technique '{"name": "deepspeed", "zero_stage": 3}'` works too.
-    """
-    out, name = list(argv), None
-    for i, arg in enumerate(out):
-        flag, eq, value = arg.partition("=")
-        if flag != "--technique" or (not eq and i + 1 >= len(out)):
-            continue
-        if not eq:
-            value = out[i + 1]
-        if not value.lstrip().startswith("{"):
-            value = json.dumps({"name": value})
-        try:
-            name = json.loads(value).get("name")
-        except (json.JSONDecodeError, AttributeError):
-            continue  # let the parser report it, naming the option
-        if eq:
-            out[i] = f"--technique={value}"
-        else:
-            out[i + 1] = value
-    return out, name
-
-
 def main(argv: list[str] | None = None) -> TransformerResult:
-    argv, name = _technique_by_name(sys.argv[1:] if argv is None else argv)
-    defaults = workload.TransformerConfig()
-    if name in techniques:
-        defaults = workload.TransformerConfig(technique={"name": name})
     config = parse_config(
         workload.TransformerConfig,
-        defaults,
+        workload.TransformerConfig(),
         argv,
         prog="python -m flows.transformer",
         description=__doc__ or "",
     )
     result = transformer(config)
-    print("\n=== transformer pipeline finished ===")
-    print(f"MLflow store : {result.tracking_uri}")
-    print(f"MLflow run   : {result.mlflow_run_id}")
-    print(f"Technique    : {result.technique}")
-    version = result.model_version or "not registered (gate failed)"
-    print(f"Model        : {result.registered_model_name} version {version}")
-    for key, value in result.metrics.items():
-        print(f"{key:<15}: {value:.4f}")
+    print_summary(
+        "transformer pipeline finished",
+        {
+            "MLflow store": result.tracking_uri,
+            "MLflow run": result.mlflow_run_id,
+            "Technique": result.technique,
+            "Model": f"{result.registered_model_name} version "
+            + (result.model_version or "not registered (gate failed)"),
+        },
+        result.metrics,
+    )
     return result
 
 

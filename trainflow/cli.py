@@ -37,6 +37,14 @@ def _add_fields(
         flag = "--" + dest.replace(".", "-").replace("_", "-")
         help_text = (info.description or "").replace("%", "%%")
         kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}
+        variants = _union_variants(info)
+        if variants:
+            names = ", ".join(variants)
+            kwargs.update(type=_variant_value(info.discriminator), metavar="NAME|JSON")
+            help_text += f" One of: {names}; or a JSON object with the variant's options."
+            shown = getattr(default, str(info.discriminator), default)
+            parser.add_argument(flag, help=f"{help_text} (default: {shown})", **kwargs)
+            continue
         if annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif get_origin(annotation) is Literal:
@@ -56,6 +64,33 @@ def _add_fields(
         parser.add_argument(flag, help=f"{help_text} (default: {shown})", **kwargs)
 
 
+def _union_variants(info: Any) -> list[str]:
+    """Variant names of a discriminated union field (`DDPConfig | FSDPConfig`), else []."""
+    if not isinstance(info.discriminator, str):
+        return []
+    names = []
+    for arg in get_args(info.annotation):
+        if not (isinstance(arg, type) and issubclass(arg, BaseModel)):
+            return []
+        literal = arg.model_fields[info.discriminator].annotation
+        names.extend(str(v) for v in get_args(literal))
+    return names
+
+
+def _variant_value(discriminator: Any) -> Any:
+    """`NAME` -> `{discriminator: NAME}`; a JSON object is taken as it is."""
+
+    def parse(text: str) -> dict[str, Any]:
+        if text.lstrip().startswith("{"):
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise argparse.ArgumentTypeError("expected a JSON object")
+            return value
+        return {discriminator: text}
+
+    return parse
+
+
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     nested: dict[str, Any] = {}
     for dotted, value in flat.items():
@@ -70,8 +105,16 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+        old = out.get(key)
+        # Switching a union's variant (e.g. technique fsdp -> ddp) replaces its options.
+        switched = (
+            isinstance(value, dict)
+            and isinstance(old, dict)
+            and "name" in value
+            and value["name"] != old.get("name")
+        )
+        if isinstance(value, dict) and isinstance(old, dict) and not switched:
+            out[key] = _merge(old, value)
         else:
             out[key] = value
     return out
@@ -114,3 +157,13 @@ def parse_config(
         )
         parser.error(problems)
         raise  # unreachable: parser.error exits
+
+
+def print_summary(title: str, rows: dict[str, str], metrics: dict[str, float]) -> None:
+    """The block a pipeline prints when it ends: where things are, then its metrics."""
+    width = max(len(k) for k in [*rows, *metrics])
+    print(f"\n=== {title} ===")
+    for key, value in rows.items():
+        print(f"{key:<{width}} : {value}")
+    for key, number in metrics.items():
+        print(f"{key:<{width}} : {number:.4f}")

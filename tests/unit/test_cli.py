@@ -47,3 +47,23 @@ def test_help_documents_every_option():
         assert flag in out, flag
         assert field.description.split()[0] in out
     assert "python -m flows.mlp" in out
+
+
+def test_union_option_takes_a_name_or_json_and_switches_variant():
+    from trainflow.workloads.transformer import TransformerConfig
+
+    def parse(*argv):
+        return parse_config(TransformerConfig, TransformerConfig(), list(argv), "t", "")
+
+    assert parse().technique.name == "fsdp"
+    assert parse("--technique", "ddp").technique.name == "ddp"
+    zero3 = parse("--technique", '{"name": "deepspeed", "zero_stage": 3}').technique
+    assert (zero3.name, zero3.zero_stage) == ("deepspeed", 3)
+
+
+def test_unknown_union_variant_names_the_option(capsys):
+    from trainflow.workloads.transformer import TransformerConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(TransformerConfig, TransformerConfig(), ["--technique", "zero9"], "t", "")
+    assert "--technique" in capsys.readouterr().err
