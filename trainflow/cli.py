@@ -68,7 +68,7 @@ def _union_variants(info: Any) -> list[str]:
     """Variant names of a discriminated union field (`DDPConfig | FSDPConfig`), else []."""
     if not isinstance(info.discriminator, str):
         return []
-    names = []
+    names: list[str] = []
     for arg in get_args(info.annotation):
         if not (isinstance(arg, type) and issubclass(arg, BaseModel)):
             return []
