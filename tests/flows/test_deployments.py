@@ -64,7 +64,17 @@ def deployed_run(prefect_api, tmp_path_factory):
         "--overwrite",
         env=env,
     )
-    _cli("--no-prompt", "deploy", "--name", "mlp/cpu-local", "--name", "mlp/h100", env=env)
+    _cli(
+        "--no-prompt",
+        "deploy",
+        "--name",
+        "mlp/cpu-local",
+        "--name",
+        "mlp/h100",
+        "--name",
+        "transformer/cpu-local",
+        env=env,
+    )
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("mlp/cpu-local")
         flow_run = client.create_flow_run_from_deployment(
@@ -143,6 +153,13 @@ def test_server_side_schema_rejects_bad_input_naming_the_field(deployed_run):
             with pytest.raises(PrefectHTTPStatusError) as info:
                 client.create_flow_run_from_deployment(deployment_id, parameters=parameters)
             assert field in info.value.response.text
+        transformer = client.read_deployment_by_name("transformer/cpu-local")
+        for technique in ({"name": "zero4"}, {"name": "deepspeed", "zero_stage": 5}):
+            with pytest.raises(PrefectHTTPStatusError) as info:
+                client.create_flow_run_from_deployment(
+                    transformer.id, parameters={"config": {"technique": technique}}
+                )
+            assert "config.technique" in info.value.response.text
         assert len(client.read_flow_runs()) == before  # nothing was created for a worker
 
 

@@ -28,3 +28,13 @@ def test_bad_parameters_are_rejected_naming_the_field():
         flow.validate_parameters({"config": {"gpus": 0}})
     with pytest.raises(Exception, match="num_epoch"):
         flow.validate_parameters({"config": {"num_epoch": 3}})
+
+
+def test_serve_builds_every_deployment_with_its_schedules():
+    from deployments.serve import runner_deployments
+
+    served = {(d.flow_name, d.name): d for d in runner_deployments()}
+    assert set(served) == {(e.load_flow().name, e.name) for e in ENTRIES}
+    nightly = served[("mlp", "cpu-local")].schedules
+    assert len(nightly) == 1 and nightly[0].active is False  # off until a user turns it on
+    assert nightly[0].schedule.cron == "0 3 * * *"
