@@ -175,8 +175,47 @@ def register_pytorch_model(
             input_example=input_example,
             registered_model_name=registered_model_name,
         )
-    version = str(info.registered_model_version)
+    return _tag_version(registered_model_name, str(info.registered_model_version), tags)
+
+
+def _tag_version(registered_model_name: str, version: str, tags: Mapping[str, str]) -> str:
     client = _client()
     for key, value in tags.items():
         client.set_model_version_tag(registered_model_name, version, key, value)
     return version
+
+
+def register_transformers_model(
+    run_id: str,
+    model: Any,
+    tokenizer: Any,
+    registered_model_name: str,
+    input_example: str,
+    tags: Mapping[str, str],
+) -> str:
+    """Log a causal LM as an MLflow `transformers` text-generation model, register and tag it.
+
+    The signature is inferred from `input_example` (a prompt). Returns the version.
+    """
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.transformers.log_model(
+            transformers_model={"model": model, "tokenizer": tokenizer},
+            name="model",
+            task="text-generation",
+            input_example=input_example,
+            registered_model_name=registered_model_name,
+        )
+    return _tag_version(registered_model_name, str(info.registered_model_version), tags)
+
+
+def set_alias(registered_model_name: str, version: str, alias: str) -> None:
+    """Point `alias` (e.g. 'champion') of a registered model at `version`."""
+    _client().set_registered_model_alias(registered_model_name, alias, version)
+
+
+def log_artifact(run_id: str, path: str | Path) -> None:
+    """Attach a local file (a plot, a report) to a run."""
+    _client().log_artifact(run_id, str(path))

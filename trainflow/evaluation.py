@@ -1,0 +1,119 @@
+"""Held-out evaluation of a causal LM on prepared chat data: answer loss and exact match.
+
+Each conversation's prompt is everything before its first answer token (the chat template's
+generation prompt included); its reference answer is that first run of answer tokens (the
+end-of-turn token included). The loss counts answer tokens only, like training; exact match
+greedily generates an answer for the prompt and compares the decoded texts.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+def split_prompt_answer(input_ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+    """The prompt before the first answer token and that first run of answer tokens."""
+    start = mask.index(1)
+    end = start
+    while end < len(mask) and mask[end]:
+        end += 1
+    return input_ids[:start], input_ids[start:end]
+
+
+def _pad(rows: list[list[int]], value: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), value, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, span] = torch.tensor(row)
+        attention[i, span] = 1
+    return ids, attention
+
+
+@torch.no_grad()
+def answer_loss(
+    model: PreTrainedModel, input_ids: list[list[int]], masks: list[list[int]], pad_id: int
+) -> tuple[float, int]:
+    """Summed cross-entropy over answer tokens of one batch, and the number of those tokens."""
+    ids, attention = _pad(input_ids, pad_id, left=False)
+    labels, _ = _pad(masks, 0, left=False)
+    device = model.device
+    logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits.float()
+    targets = ids.to(device).masked_fill(labels.to(device) == 0, -100)[:, 1:]
+    loss = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+    return loss.item(), int((targets != -100).sum())
+
+
+@torch.no_grad()
+def exact_matches(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    max_new_tokens: int,
+) -> list[bool]:
+    """Whether greedy generation reproduces each reference answer exactly (decoded text)."""
+    pad_id = tokenizer.pad_token_id
+    ids, attention = _pad(prompts, pad_id, left=True)
+    generated = model.generate(  # type: ignore[operator]
+        input_ids=ids.to(model.device),
+        attention_mask=attention.to(model.device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )[:, ids.shape[1] :]
+    decode = tokenizer.decode
+    return [
+        decode(out.tolist(), skip_special_tokens=True).strip()
+        == decode(ref, skip_special_tokens=True).strip()
+        for out, ref in zip(generated, answers, strict=True)
+    ]
+
+
+def evaluate_causal_lm(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    input_ids: list[list[int]],
+    masks: list[list[int]],
+    *,
+    batch_size: int,
+    max_new_tokens: int,
+) -> dict[str, float]:
+    """Answer-token loss, perplexity and exact match of `model` on held-out conversations.
+
+    Args:
+        model: The model, in eval mode.
+        tokenizer: Its tokenizer (pad and end-of-turn tokens, decoding).
+        input_ids: Token ids per conversation.
+        masks: 1 on answer tokens per conversation (`assistant_masks`).
+        batch_size: Conversations per forward pass.
+        max_new_tokens: Longest generated answer.
+
+    Returns:
+        `eval_loss`, `eval_perplexity` and `eval_exact_match` (share of answers reproduced).
+    """
+    total_loss, total_tokens, matches = 0.0, 0, 0
+    for i in range(0, len(input_ids), batch_size):
+        ids, mask = input_ids[i : i + batch_size], masks[i : i + batch_size]
+        loss, tokens = answer_loss(model, ids, mask, tokenizer.pad_token_id)
+        total_loss, total_tokens = total_loss + loss, total_tokens + tokens
+        pairs = [split_prompt_answer(r, m) for r, m in zip(ids, mask, strict=True)]
+        hits = exact_matches(
+            model, tokenizer, [p for p, _ in pairs], [a for _, a in pairs], max_new_tokens
+        )
+        matches += sum(hits)
+    mean = total_loss / max(total_tokens, 1)
+    return {
+        "eval_loss": mean,
+        "eval_perplexity": math.exp(min(mean, 50.0)),
+        "eval_exact_match": matches / max(len(input_ids), 1),
+    }

@@ -1,0 +1,617 @@
+"""Supervised fine-tuning of a causal LM with TRL's `SFTTrainer`, under any technique.
+
+`train` runs on every rank inside the process group the technique subflow opened. The
+technique's typed config becomes Trainer settings (`technique_arguments`): DDP options, FSDP2
+through accelerate's plugin, or the DeepSpeed JSON `deepspeed_json` builds. The Trainer, not
+our strategy, wraps the model, so the strategy object only carries the technique config.
+
+Data: each rank reads the whole prepared split (`input_ids` + `assistant_masks`) into a
+map-style dataset and the Trainer's distributed sampler gives each rank its share. A
+`StreamingDataset` already partitions by rank and accelerate would shard it a second time;
+reading the split whole keeps one owner of the partitioning (and exact epochs) at the cost of
+each rank holding the token ids in memory, which is small for instruction data.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import datasets
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+
+from trainflow import runtime
+from trainflow.data import ChatTransform, DataConfig, PreparedDataset
+from trainflow.data.config import PRESETS_DIR as DATA_PRESETS_DIR
+from trainflow.data.config import REPO_ROOT, load_preset
+from trainflow.data.tokenizer import load_tokenizer
+from trainflow.models.causal_lm import build_causal_lm, is_tiny
+from trainflow.paths import SafeName
+from trainflow.strategies import (
+    DDPConfig,
+    DeepSpeedConfig,
+    FSDPConfig,
+    OptimizerConfig,
+    Strategy,
+    TechniqueConfig,
+    deepspeed_json,
+)
+from trainflow.strategies.job import Resources, TrainResult
+from trainflow.tracking import MetricsSink, metrics_sink
+
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets" / "sft"
+SHIPPED_TOKENIZER = str(REPO_ROOT / "data" / "tokenizer")
+PROGRESS_FILE = "progress.json"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LoraSettings(_Model):
+    """PEFT LoRA adapter settings (used with `lora: true`); merged into the model for export."""
+
+    r: int = Field(default=16, ge=1, description="Rank of the low-rank update.")
+    alpha: int = Field(default=32, ge=1, description="Scaling numerator (scale = alpha / r).")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names that get an adapter.",
+    )
+
+
+class TrainingSettings(_Model):
+    """Batches, optimizer and logging cadence of the Trainer."""
+
+    per_device_batch_size: int = Field(default=16, ge=1, description="Sequences per rank per step.")
+    grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
+    optimizer: OptimizerConfig = Field(
+        default_factory=OptimizerConfig, description="AdamW settings."
+    )
+    warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warm-up steps.")
+    lr_scheduler: str = Field(default="cosine", description="Trainer learning-rate schedule.")
+    logging_steps: int = Field(default=10, ge=1, description="Log training metrics every N steps.")
+    seed: int = Field(default=0, description="Seed of the initial weights and the data order.")
+
+
+class EvaluationSettings(_Model):
+    """Held-out evaluation of the trained model against the untrained one, and the gate."""
+
+    num_samples: int = Field(default=200, ge=1, description="Held-out conversations to score.")
+    batch_size: int = Field(default=32, ge=1, description="Conversations per forward pass.")
+    max_new_tokens: int = Field(default=16, ge=1, description="Longest generated answer.")
+    min_exact_match: float = Field(
+        default=0.0, ge=0, le=1, description="Gate: held-out exact match must reach this."
+    )
+    max_loss_ratio: float = Field(
+        default=0.9,
+        gt=0,
+        description="Gate: held-out loss must be at most this share of the untrained model's.",
+    )
+
+
+class SFTConfig(_Model):
+    """Everything the SFT pipeline needs; shown as the run form in the Prefect UI."""
+
+    model: str = Field(
+        default="tiny-llama",
+        description="A tiny offline architecture (tiny-llama, tiny-gpt-oss) or a Hugging Face "
+        "model id / local directory, e.g. meta-llama/Llama-3.2-1B-Instruct.",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="Tokenizer directory or Hub id; none: the shipped tokenizer for tiny models, "
+        "else the model's own.",
+    )
+    dataset: str = Field(
+        default="instructions",
+        description="A data preset (e.g. instructions) or a Hub chat dataset with a 'messages' "
+        "column, e.g. trl-lib/Capybara.",
+    )
+    max_length: int = Field(default=64, ge=8, description="Longest conversation in tokens.")
+    validation_fraction: float = Field(
+        default=0.05,
+        gt=0,
+        lt=1,
+        description="Held-out share of a Hub dataset's train split (presets set their own).",
+    )
+    lora: bool = Field(default=False, description="Train a LoRA adapter instead of all weights.")
+    lora_settings: LoraSettings = Field(
+        default_factory=LoraSettings, description="LoRA adapter settings."
+    )
+    max_steps: int = Field(default=300, ge=1, description="Optimizer steps.")
+    training: TrainingSettings = Field(
+        default_factory=TrainingSettings, description="Batches, optimizer, logging."
+    )
+    evaluation: EvaluationSettings = Field(
+        default_factory=EvaluationSettings, description="Held-out evaluation and the gate."
+    )
+    technique: TechniqueConfig = Field(
+        default_factory=DDPConfig,
+        description="Technique: ddp, fsdp or deepspeed, or a JSON object with its options.",
+    )
+    gpus: int = Field(default=2, ge=1, description="Ranks in total (GPUs, or CPU processes).")
+    gpu_type: str | None = Field(
+        default=None, description='GPU type such as "H100"; "cpu" forces CPU ranks.'
+    )
+    timeout_s: float = Field(default=3600, gt=0, description="Bound on the training launch.")
+    experiment_name: SafeName = Field(default="sft", description="MLflow experiment.")
+    registered_model_name: SafeName = Field(
+        default="sft", description="MLflow registered model to add a version to."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "SFTConfig":
+        self.technique.check_world_size(self.gpus)
+        if isinstance(self.technique, FSDPConfig) and self.technique.replicate_degree != 1:
+            raise ValueError(
+                "technique.replicate_degree: the Trainer's FSDP shards over all ranks; "
+                "use replicate_degree=1"
+            )
+        known = sorted(p.stem for p in DATA_PRESETS_DIR.glob("*.yaml"))
+        if self.dataset not in known and "/" not in self.dataset:
+            raise ValueError(
+                f"dataset {self.dataset!r} is neither a data preset {known} nor a Hub id "
+                "(owner/name)"
+            )
+        return self
+
+    def resources(self) -> Resources:
+        """Where the ranks run."""
+        return Resources(gpus=self.gpus, gpu_type=self.gpu_type, timeout_s=self.timeout_s)
+
+    def tokenizer_path(self) -> str:
+        """The tokenizer to use: given, the shipped one for tiny models, else the model's."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        return SHIPPED_TOKENIZER if is_tiny(self.model) else self.model
+
+    def data_config(self) -> DataConfig:
+        """The dataset to prepare: chat turns -> tokens with an answer-only loss mask."""
+        if (DATA_PRESETS_DIR / f"{self.dataset}.yaml").is_file():
+            data = load_preset(self.dataset)
+            if not isinstance(data.transform, ChatTransform):
+                raise ValueError(f"dataset {self.dataset!r} is not chat data")
+            transform = data.transform.model_copy(
+                update={"tokenizer": self.tokenizer_path(), "max_length": self.max_length}
+            )
+            return data.model_copy(update={"transform": transform})
+        return DataConfig.model_validate(
+            {
+                "name": self.dataset.replace("/", "--"),
+                "source": {"kind": "hub", "name": self.dataset},
+                "splits": ["train"],
+                "validation": {"fraction": self.validation_fraction},
+                "transform": {
+                    "name": "chat",
+                    "tokenizer": self.tokenizer_path(),
+                    "max_length": self.max_length,
+                },
+            }
+        )
+
+
+def load_sft_preset(name: str) -> SFTConfig:
+    """A shipped preset (YAML under `trainflow/presets/sft/`), e.g. 'debug_cpu'."""
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+        raise ValueError(f"unknown sft preset {name!r}; known presets: {known}")
+    return SFTConfig.model_validate(yaml.safe_load(path.read_text()))
+
+
+class SFTJob(_Model):
+    """What each rank needs: the config and the prepared dataset to read."""
+
+    config: SFTConfig = Field(description="The pipeline's config.")
+    data: PreparedDataset = Field(description="Prepared MDS dataset (train and validation).")
+
+
+def build_model(job: SFTJob) -> PreTrainedModel:
+    """The architecture without pretrained weights (the subflow checks the technique on it)."""
+    tokenizer = load_tokenizer(job.config.tokenizer_path())
+    return build_causal_lm(job.config.model, tokenizer, seed=0, pretrained=False)
+
+
+def read_split(uri: str, split: str, limit: int | None = None) -> dict[str, list[list[int]]]:
+    """A prepared split, whole: `input_ids` and `assistant_masks` lists in id order.
+
+    Each rank streams its partition with the project's loader (hash checks, stale shared
+    memory cleanup), then the ranks exchange partitions, so every rank holds the whole split
+    in the stored id order and the Trainer's sampler is the only thing that shards it.
+
+    Args:
+        uri: Published dataset (`PreparedDataset.uri`).
+        split: Split name, e.g. 'train' or 'validation'.
+        limit: Keep the first `limit` rows by id.
+    """
+    import torch.distributed as dist
+
+    from trainflow.data import LoaderConfig, build_dataloader
+
+    read_all = LoaderConfig.model_validate({"batch_size": 256, "shuffle": False})
+    loader = build_dataloader(uri, split, read_all, collate_fn=list)
+    rows = {
+        int(s["id"]): (s["input_ids"].tolist(), s["assistant_masks"].tolist())
+        for batch in loader
+        for s in batch
+    }
+    if dist.is_initialized():
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, rows)
+        rows = {k: v for part in parts for k, v in part.items()}  # streaming pads partitions
+    ids = sorted(rows)[:limit]
+    return {
+        "input_ids": [rows[i][0] for i in ids],
+        "assistant_masks": [rows[i][1] for i in ids],
+    }
+
+
+class ProgressCallback(TrainerCallback):
+    """Rank 0's view of training: batched metrics to MLflow, a progress file, timings.
+
+    The progress file (`progress.json` in the output folder) lets the orchestrator show
+    progress without any rank talking to Prefect.
+    """
+
+    def __init__(self, sink: MetricsSink, output_dir: Path, max_steps: int) -> None:
+        self.sink = sink
+        self.progress = output_dir / PROGRESS_FILE if runtime.is_rank_zero() else None
+        self.max_steps = max_steps
+        self.history: dict[int, dict[str, float]] = {}
+        self.logging_s = 0.0
+
+    def _write_progress(self, step: int) -> None:
+        if self.progress is None:
+            return
+        tmp = self.progress.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": step, "max_steps": self.max_steps}))
+        tmp.replace(self.progress)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        numbers = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, int | float)}
+        if "loss" in numbers:  # a training log, not the end-of-training summary
+            metrics = {f"train_{k}": v for k, v in numbers.items() if k != "epoch"}
+            self.history[state.global_step] = metrics
+            self.sink.log(state.global_step, metrics)
+            self._write_progress(state.global_step)
+        self.logging_s += time.perf_counter() - started
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.sink.flush()
+        self._write_progress(state.global_step)
+
+
+def technique_arguments(
+    technique: TechniqueConfig,
+    training: TrainingSettings,
+    *,
+    device_type: str,
+    layer_classes: list[str],
+) -> dict[str, Any]:
+    """Trainer settings that apply `technique`: the same typed configs as our strategies.
+
+    Args:
+        technique: The technique config.
+        training: Batch and optimizer settings (DeepSpeed's JSON repeats them).
+        device_type: "cuda" or "cpu".
+        layer_classes: Class names of the model's repeated blocks (FSDP wraps each).
+    """
+    on_cpu = device_type != "cuda"
+    args: dict[str, Any] = {"use_cpu": on_cpu}
+    if runtime.get_world_size() > 1:
+        args["ddp_backend"] = "gloo" if on_cpu else "nccl"
+    if isinstance(technique, DDPConfig):
+        args["ddp_bucket_cap_mb"] = max(1, round(technique.bucket_cap_mb))
+        args["ddp_find_unused_parameters"] = technique.find_unused_parameters
+    elif isinstance(technique, FSDPConfig):
+        # transformers passes FSDP options to accelerate through the environment; accelerate
+        # reads the FSDP version (2 = fully_shard) and resharding from it too.
+        os.environ["FSDP_VERSION"] = "2"
+        os.environ["FSDP_RESHARD_AFTER_FORWARD"] = str(technique.reshard_after_forward).lower()
+        # save_model gathers a full state dict (rank 0 writes a plain Hugging Face folder).
+        os.environ["FSDP_STATE_DICT_TYPE"] = "FULL_STATE_DICT"
+        args["fsdp"] = "full_shard auto_wrap" + (" offload" if technique.cpu_offload else "")
+        args["fsdp_config"] = {
+            "transformer_layer_cls_to_wrap": layer_classes,
+            "activation_checkpointing": technique.activation_checkpointing,
+        }
+        args["bf16"] = technique.mixed_precision == "bf16"
+    elif isinstance(technique, DeepSpeedConfig):
+        if on_cpu:
+            import deepspeed
+
+            # No DeepSpeed op is needed on CPU (torch's AdamW, gloo); see strategies/deepspeed.py.
+            deepspeed.ops.__compatible_ops__ = {}
+        args["deepspeed"] = deepspeed_json(
+            technique,
+            micro_batch_size=training.per_device_batch_size,
+            grad_accum_steps=training.grad_accum_steps,
+            world_size=runtime.get_world_size(),
+            optimizer=training.optimizer,
+            device_type=device_type,
+        )
+        args["bf16"] = technique.mixed_precision == "bf16"
+    return args
+
+
+def _timed(trainer_class: type) -> type:
+    """`trainer_class` that also adds up the time spent waiting for batches (`data_wait_s`)."""
+
+    class Timed(trainer_class):  # type: ignore[misc, valid-type]
+        data_wait_s = 0.0
+
+        def get_batch_samples(self, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return super().get_batch_samples(*args, **kwargs)
+            finally:
+                self.data_wait_s += time.perf_counter() - started
+
+    return Timed
+
+
+def _enable_fsdp_on_cpu(trainer: Any) -> None:
+    """Let accelerate shard with FSDP2 on CPU ranks (gloo), as the GPU path does.
+
+    accelerate 1.15 enables FSDP only for accelerator devices and otherwise silently wraps the
+    model in DDP; fully_shard itself works on a CPU mesh. The plugin is rebuilt from the same
+    environment transformers filled from the technique's settings.
+    """
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = AcceleratorState()
+    plugin = FullyShardedDataParallelPlugin()
+    plugin.activation_checkpointing = trainer.args.fsdp_config.get(
+        "activation_checkpointing", False
+    )
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    trainer.is_fsdp_enabled = True
+
+
+def _save_fsdp(trainer: Any, model: PreTrainedModel, peft_config: Any, path: Path) -> None:
+    """Gather the sharded weights and let rank 0 save them from an unsharded replica.
+
+    `Trainer.save_model` saves the FSDP2-wrapped model itself, whose parameters are still
+    sharded tensors; rank 0 then waits on collectives the other ranks have left.
+    """
+    import torch.distributed as dist
+    from peft import get_peft_model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    # Every rank joins the gather; rank 0 receives the full tensors on CPU.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(trainer.model, options=options)
+    if runtime.is_rank_zero():
+        replica = AutoModelForCausalLM.from_config(model.config)
+        if peft_config is not None:
+            replica = get_peft_model(replica, peft_config)
+        replica.load_state_dict(state)
+        replica.save_pretrained(path)
+        trainer.processing_class.save_pretrained(path)
+    dist.barrier()
+
+
+def _layer_classes(model: PreTrainedModel) -> list[str]:
+    return sorted(set(getattr(model, "_no_split_modules", None) or []))
+
+
+def trained_model_dir(output_dir: str | Path) -> Path:
+    """Where `train` saves the trained weights (an adapter when LoRA was used)."""
+    return Path(output_dir) / "model"
+
+
+def initial_model_dir(output_dir: str | Path) -> Path:
+    """Where `train` saves a tiny model's initial weights (the untrained baseline)."""
+    return Path(output_dir) / "initial"
+
+
+def train(
+    job: SFTJob,
+    strategy: Strategy,
+    *,
+    output_dir: str,
+    mlflow_run_id: str | None = None,
+    resume_from: str | None = None,
+) -> TrainResult:
+    """Fine-tune on this rank with `SFTTrainer`; save the trained weights (rank 0 writes)."""
+    from peft import LoraConfig
+    from trl import SFTConfig as TrainerConfig
+    from trl import SFTTrainer
+
+    if resume_from is not None:
+        raise ValueError("resume_from: the SFT workload does not resume from checkpoints yet")
+    datasets.disable_progress_bars()
+    config, t, world = job.config, job.config.training, runtime.get_world_size()
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(config.tokenizer_path())
+    model = build_causal_lm(config.model, tokenizer, seed=t.seed)
+    if runtime.is_rank_zero() and is_tiny(config.model):
+        model.save_pretrained(initial_model_dir(out))
+        tokenizer.save_pretrained(initial_model_dir(out))
+    device_type = runtime.get_device().type
+    callback = ProgressCallback(
+        metrics_sink(mlflow_run_id, runtime.is_rank_zero()), out, config.max_steps
+    )
+    opt = t.optimizer
+    args = TrainerConfig(
+        output_dir=str(out / "trainer"),
+        max_steps=config.max_steps,
+        per_device_train_batch_size=t.per_device_batch_size,
+        gradient_accumulation_steps=t.grad_accum_steps,
+        learning_rate=opt.learning_rate,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.betas[0],
+        adam_beta2=opt.betas[1],
+        adam_epsilon=opt.eps,
+        warmup_steps=t.warmup_steps,
+        lr_scheduler_type=t.lr_scheduler,
+        logging_steps=t.logging_steps,
+        save_strategy="no",
+        report_to=[],
+        seed=t.seed,
+        data_seed=t.seed,
+        max_length=config.max_length,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **technique_arguments(
+            strategy.config,
+            t,
+            device_type=device_type,
+            layer_classes=_layer_classes(model),
+        ),
+    )
+    lora = config.lora_settings
+    peft_config = (
+        LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        if config.lora
+        else None
+    )
+    trainer = _timed(SFTTrainer)(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_dict(read_split(job.data.uri, "train")),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[callback],
+    )
+    if isinstance(strategy.config, FSDPConfig) and device_type == "cpu":
+        _enable_fsdp_on_cpu(trainer)
+    output = trainer.train()
+    runtime.print0(f"trained as {type(trainer.model_wrapped).__name__} on {world} rank(s)")
+    if trainer.is_fsdp_enabled:
+        _save_fsdp(trainer, model, peft_config, trained_model_dir(out))
+    else:
+        trainer.save_model(str(trained_model_dir(out)))
+    last = callback.history[max(callback.history)] if callback.history else {}
+    summary = {k: float(v) for k, v in output.metrics.items() if k.startswith("train_")}
+    summary.pop("train_loss", None)  # the run's mean; the last logged loss says more
+    summary["train_logging_s"] = callback.logging_s
+    summary["train_data_wait_s"] = trainer.data_wait_s
+    if "train_num_tokens" in last:
+        summary["train_tokens_per_s"] = last["train_num_tokens"] / summary["train_runtime"]
+    return TrainResult(
+        technique=strategy.name,
+        world_size=runtime.get_world_size(),
+        steps=output.global_step,
+        metrics=last | summary,
+        history=callback.history,
+        checkpoint_uri=None,
+        model_uri=trained_model_dir(out).resolve().as_uri(),
+    )
+
+
+def load_models(
+    config: SFTConfig, output_dir: str | Path
+) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+    """The untrained and the trained model (LoRA merged into its base) and the tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(config.tokenizer_path())
+    base = str(initial_model_dir(output_dir)) if is_tiny(config.model) else config.model
+    untrained = AutoModelForCausalLM.from_pretrained(base)
+    trained_dir = str(trained_model_dir(output_dir))
+    if config.lora:
+        from peft import PeftModel
+
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), trained_dir)
+        trained = adapted.merge_and_unload()
+    else:
+        trained = AutoModelForCausalLM.from_pretrained(trained_dir)
+    return untrained.eval(), trained.eval(), tokenizer
+
+
+def evaluate(config: SFTConfig, data: PreparedDataset, output_dir: str | Path) -> dict[str, float]:
+    """Held-out metrics of the trained model (`eval_*`) and of the untrained one (`untrained_*`)."""
+    from trainflow.evaluation import evaluate_causal_lm
+
+    untrained, trained, tokenizer = load_models(config, output_dir)
+    held_out = read_split(data.uri, "validation", config.evaluation.num_samples)
+    e = config.evaluation
+    metrics: dict[str, float] = {}
+    for prefix, model in (("untrained", untrained), ("eval", trained)):
+        scores = evaluate_causal_lm(
+            model,
+            tokenizer,
+            held_out["input_ids"],
+            held_out["assistant_masks"],
+            batch_size=e.batch_size,
+            max_new_tokens=e.max_new_tokens,
+        )
+        metrics |= {k.replace("eval", prefix, 1): v for k, v in scores.items()}
+    metrics["eval_loss_ratio"] = metrics["eval_loss"] / metrics["untrained_loss"]
+    return metrics
+
+
+def gate_failures(settings: EvaluationSettings, metrics: dict[str, float]) -> list[str]:
+    """Why the trained model is not a champion; empty when it passes the gate."""
+    failures = []
+    if metrics["eval_exact_match"] < settings.min_exact_match:
+        failures.append(
+            f"eval_exact_match={metrics['eval_exact_match']:.3f} < "
+            f"evaluation.min_exact_match={settings.min_exact_match}"
+        )
+    if metrics["eval_loss_ratio"] > settings.max_loss_ratio:
+        failures.append(
+            f"eval_loss_ratio={metrics['eval_loss_ratio']:.3f} > "
+            f"evaluation.max_loss_ratio={settings.max_loss_ratio}"
+        )
+    return failures
+
+
+def prompt_example(config: SFTConfig, data: PreparedDataset) -> str:
+    """The first held-out prompt as text (the registered model's input example)."""
+    from trainflow.evaluation import split_prompt_answer
+
+    row = read_split(data.uri, "validation", 1)
+    prompt, _ = split_prompt_answer(row["input_ids"][0], row["assistant_masks"][0])
+    return load_tokenizer(config.tokenizer_path()).decode(prompt)
+
+
+def plot_loss_curve(history: dict[int, dict[str, float]], path: Path) -> Path:
+    """Training loss by step as a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    steps = sorted(s for s in history if "train_loss" in history[s])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [history[s]["train_loss"] for s in steps], marker=".")
+    ax.set(xlabel="step", ylabel="training loss (answer tokens)", title="SFT loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def code_version() -> str:
+    """The checkout's commit (`git describe --always --dirty`), or 'unknown' outside git."""
+    import subprocess
+
+    try:
+        return subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
