@@ -2,11 +2,11 @@
 
 Both train the same tiny Llama (same seed) on the shipped instruction data with the same
 tokenizer, batch, steps and optimizer on 2 ranks; the plain side reads all rows of the JSONL,
-the pipeline its prepared train split (the same rows less the 10% held out). The pipeline side runs `trainflow.workloads.sft.train`
-under our launcher with DDP, reading the prepared MDS shards and logging to a real MLflow run
-from rank 0; the plain side is a script that hands the JSONL to `SFTTrainer` itself
-(`assistant_only_loss`). Tokens/s counts answer and prompt tokens seen per second of
-`train_runtime` (start-up excluded on both sides). Prints one JSON line::
+the pipeline its prepared train split (the same rows less the 10% held out). The pipeline
+side runs `trainflow.workloads.sft.train` under our launcher with DDP, reading the prepared
+MDS shards and logging to a real MLflow run from rank 0; the plain side is a script that
+hands the JSONL to `SFTTrainer` itself (`assistant_only_loss`). Tokens/s counts the tokens
+seen per second of `train_runtime` (start-up excluded on both sides). Prints one JSON line::
 
     python -m benchmarks.sft_throughput [--steps 60] [--gpus 2]
 """

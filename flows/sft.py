@@ -79,6 +79,7 @@ def sft(config: workload.SFTConfig = workload.load_sft_preset("debug_cpu")) -> S
                 technique=config.technique,
                 resources=config.resources(),
             )
+        publish_loss_curve(run_id, trained.history, output_dir)
         report = evaluate_sft(config, data, output_dir)
         log_metrics(run_id, report)
         failures = workload.gate_failures(config.evaluation, report)
@@ -92,7 +93,6 @@ def sft(config: workload.SFTConfig = workload.load_sft_preset("debug_cpu")) -> S
             lineage | {"mlflow_run_id": run_id, "world_size": str(trained.world_size)},
             champion=not failures,
         )
-        publish_loss_curve(run_id, trained.history, output_dir)
     metrics = trained.metrics | report
     publish_summary(
         "sft-summary",

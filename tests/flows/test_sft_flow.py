@@ -42,8 +42,9 @@ def _artifacts(flow_run_id: str) -> dict[str, object]:
         ("ddp", [], True),
         ("fsdp", ["--evaluation-min-exact-match", "1.0"], False),
         ("deepspeed", ["--lora", "--evaluation-max-loss-ratio", "0.95"], True),
+        ("fsdp", ["--model", "tiny-gpt-oss", "--evaluation-max-loss-ratio", "0.95"], True),
     ],
-    ids=["ddp-champion", "fsdp-gate-fails", "deepspeed-lora-champion"],
+    ids=["ddp-champion", "fsdp-gate-fails", "deepspeed-lora-champion", "fsdp-gpt-oss-champion"],
 )
 def test_pipeline_registers_with_lineage_and_gates_the_alias(
     prefect_api, technique, extra, champion
@@ -67,6 +68,7 @@ def test_pipeline_registers_with_lineage_and_gates_the_alias(
     assert tags["prefect_flow_run_id"] == result.prefect_flow_run_id
     assert tags["mlflow_run_id"] == result.mlflow_run_id and tags["code_version"] != ""
     assert tags["lora"] == ("true" if "--lora" in extra else "false")
+    assert tags["base_model"] == ("tiny-gpt-oss" if "tiny-gpt-oss" in extra else "tiny-llama")
     if champion:
         assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
     else:

@@ -532,6 +532,11 @@ def load_models(
         trained = adapted.merge_and_unload()
     else:
         trained = AutoModelForCausalLM.from_pretrained(trained_dir)
+    for model in (untrained, trained):
+        # TRL turns on the mixture-of-experts router loss for training; it is not part of the
+        # model's output at inference (and breaks batched generation).
+        if getattr(model.config, "output_router_logits", False):
+            model.config.output_router_logits = False
     return untrained.eval(), trained.eval(), tokenizer
 
 
