@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from trainflow import tracking
 from trainflow.data import PreparedDataset
+from trainflow.data.tokenizer import load_tokenizer
 from trainflow.workloads import sft
 
 
@@ -38,7 +39,8 @@ def register_sft_model(
 ) -> str:
     """Log the trained model (LoRA merged) with `mlflow.transformers`, register it, and give
     it the alias `champion` when it passed the gate; returns the version."""
-    _, model, tokenizer = sft.load_models(config, output_dir)
+    model = sft.load_model(config, output_dir, trained=True)
+    tokenizer = load_tokenizer(config.tokenizer_path())
     name = config.registered_model_name
     version = tracking.register_transformers_model(
         run_id, model, tokenizer, name, sft.prompt_example(config, data), tags

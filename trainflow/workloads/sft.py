@@ -21,7 +21,7 @@ from typing import Any
 import datasets
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers import PreTrainedModel, TrainerCallback
 
 from trainflow import runtime
 from trainflow.data import ChatTransform, DataConfig, PreparedDataset
@@ -515,42 +515,40 @@ def train(
     )
 
 
-def load_models(
-    config: SFTConfig, output_dir: str | Path
-) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
-    """The untrained and the trained model (LoRA merged into its base) and the tokenizer."""
+def load_model(config: SFTConfig, output_dir: str | Path, *, trained: bool) -> PreTrainedModel:
+    """The trained model (a LoRA adapter merged into its base) or the untrained one, for
+    inference: a tiny model's saved initial weights, or the pretrained checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(config.tokenizer_path())
     base = str(initial_model_dir(output_dir)) if is_tiny(config.model) else config.model
-    untrained = AutoModelForCausalLM.from_pretrained(base)
-    trained_dir = str(trained_model_dir(output_dir))
-    if config.lora:
+    weights = str(trained_model_dir(output_dir))
+    if not trained:
+        model = AutoModelForCausalLM.from_pretrained(base)
+    elif config.lora:
         from peft import PeftModel
 
-        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), trained_dir)
-        trained = adapted.merge_and_unload()
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), weights)
+        model = adapted.merge_and_unload()
     else:
-        trained = AutoModelForCausalLM.from_pretrained(trained_dir)
-    for model in (untrained, trained):
-        # TRL turns on the mixture-of-experts router loss for training; it is not part of the
-        # model's output at inference (and breaks batched generation).
-        if getattr(model.config, "output_router_logits", False):
-            model.config.output_router_logits = False
-    return untrained.eval(), trained.eval(), tokenizer
+        model = AutoModelForCausalLM.from_pretrained(weights)
+    # TRL turns on the mixture-of-experts router loss for training; it is not part of the
+    # model's output at inference (and breaks batched generation).
+    if getattr(model.config, "output_router_logits", False):
+        model.config.output_router_logits = False
+    return model.eval()
 
 
 def evaluate(config: SFTConfig, data: PreparedDataset, output_dir: str | Path) -> dict[str, float]:
     """Held-out metrics of the trained model (`eval_*`) and of the untrained one (`untrained_*`)."""
     from trainflow.evaluation import evaluate_causal_lm
 
-    untrained, trained, tokenizer = load_models(config, output_dir)
+    tokenizer = load_tokenizer(config.tokenizer_path())
     held_out = read_split(data.uri, "validation", config.evaluation.num_samples)
     e = config.evaluation
     metrics: dict[str, float] = {}
-    for prefix, model in (("untrained", untrained), ("eval", trained)):
+    for prefix, trained in (("untrained", False), ("eval", True)):
         scores = evaluate_causal_lm(
-            model,
+            load_model(config, output_dir, trained=trained),
             tokenizer,
             held_out["input_ids"],
             held_out["assistant_masks"],
