@@ -14,6 +14,7 @@ DDP on 2 CPU ranks in a few minutes. Run locally (local Prefect, SQLite MLflow s
 Deploy: `prefect --no-prompt deploy --name sft/cpu-local` (see prefect.yaml).
 """
 
+import functools
 import sys
 
 from prefect import flow
@@ -116,21 +117,6 @@ def sft(config: workload.SFTConfig = workload.load_sft_preset("debug_cpu")) -> S
     )
 
 
-def _preset(argv: list[str]) -> tuple[list[str], workload.SFTConfig]:
-    """Take `--preset NAME` out of argv: it picks the defaults the other options override."""
-    out, name = list(argv), "debug_cpu"
-    for i, arg in enumerate(out):
-        flag, eq, value = arg.partition("=")
-        if flag == "--preset" and (eq or i + 1 < len(out)):
-            name = value if eq else out[i + 1]
-            del out[i : i + (1 if eq else 2)]
-            break
-    try:
-        return out, workload.load_sft_preset(name)
-    except ValueError as exc:
-        sys.exit(f"python -m flows.sft: --preset: {exc}")
-
-
 SUMMARY_METRICS = [
     f"{when}_{name}"
     for name in ("loss", "perplexity", "exact_match")
@@ -138,16 +124,23 @@ SUMMARY_METRICS = [
 ] + ["train_runtime", "train_tokens_per_s"]
 
 
-def main(argv: list[str] | None = None) -> SFTResult:
-    argv, defaults = _preset(sys.argv[1:] if argv is None else argv)
-    config = parse_config(
+def parse_args(argv: list[str] | None) -> workload.SFTConfig:
+    """The command line as a validated config (`--preset` picks the starting values)."""
+    return parse_config(
         workload.SFTConfig,
-        defaults,
+        workload.load_sft_preset("debug_cpu"),
         argv,
         prog="python -m flows.sft",
         description=__doc__ or "",
+        presets={
+            name: functools.partial(workload.load_sft_preset, name)
+            for name in workload.sft_preset_names()
+        },
     )
-    result = sft(config)
+
+
+def main(argv: list[str] | None = None) -> SFTResult:
+    result = sft(parse_args(argv))
     alias = "champion" if result.champion else "no alias (gate not passed)"
     print_summary(
         "sft pipeline finished",

@@ -9,6 +9,7 @@ import argparse
 import json
 import types
 import typing
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
@@ -138,13 +139,26 @@ def parse_config(
     argv: list[str] | None,
     prog: str,
     description: str,
+    presets: Mapping[str, Callable[[], M]] | None = None,
 ) -> M:
     """Parse `argv` into a validated `model`, starting from `defaults`.
 
-    Invalid values exit with status 2 and a message naming the option, like any argparse error.
+    With `presets`, `--preset NAME` starts from that preset instead; the other options override
+    it. Invalid values exit with status 2 and a message naming the option, like any argparse
+    error.
     """
     parser = build_parser(model, defaults, prog, description)
+    if presets:
+        parser.add_argument(
+            "--preset",
+            choices=sorted(presets),
+            default=argparse.SUPPRESS,
+            help="Start from this shipped preset; the other options override its values "
+            "(defaults shown here are the default preset's).",
+        )
     given = vars(parser.parse_args(argv))
+    if presets and "preset" in given:
+        defaults = presets[given.pop("preset")]()
     merged = _merge(defaults.model_dump(), _nest(given))
     try:
         return model.model_validate(merged)

@@ -7,7 +7,6 @@ import torch
 from pydantic import ValidationError
 
 from flows import sft as pipeline
-from trainflow.cli import parse_config
 from trainflow.data.tokenizer import load_tokenizer
 from trainflow.evaluation import split_prompt_answer
 from trainflow.models.causal_lm import TINY_ARCHITECTURES, build_causal_lm
@@ -16,8 +15,7 @@ from trainflow.workloads import sft
 
 
 def _parse(argv: list[str]) -> sft.SFTConfig:
-    argv, defaults = pipeline._preset(argv)
-    return parse_config(sft.SFTConfig, defaults, argv, prog="sft", description="")
+    return pipeline.parse_args(argv)
 
 
 def test_debug_preset_is_tiny_llama_on_shipped_data_with_ddp_on_2_cpu_ranks():
@@ -136,3 +134,10 @@ def test_tiny_architectures_build_offline_with_the_shipped_vocabulary(name):
         assert model.config.num_local_experts == 4 and model.config.num_experts_per_tok == 2
     again = build_causal_lm(name, tokenizer, seed=0)
     assert torch.equal(model.lm_head.weight, again.lm_head.weight)  # seeded: same baseline
+
+
+def test_unknown_preset_on_the_command_line_names_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--preset", "nope"])
+    err = capsys.readouterr().err
+    assert "--preset: invalid choice: 'nope'" in err and "debug_cpu" in err

@@ -194,12 +194,16 @@ class SFTConfig(_Model):
         )
 
 
+def sft_preset_names() -> list[str]:
+    """Names of the shipped presets under `trainflow/presets/sft/`."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
 def load_sft_preset(name: str) -> SFTConfig:
     """A shipped preset (YAML under `trainflow/presets/sft/`), e.g. 'debug_cpu'."""
     path = PRESETS_DIR / f"{name}.yaml"
     if not path.is_file():
-        known = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
-        raise ValueError(f"unknown sft preset {name!r}; known presets: {known}")
+        raise ValueError(f"unknown sft preset {name!r}; known presets: {sft_preset_names()}")
     return SFTConfig.model_validate(yaml.safe_load(path.read_text()))
 
 
