@@ -22,7 +22,7 @@ from flows.techniques import techniques
 from tasks.tracking import log_metrics, register_pytorch_model
 from tasks.transformer import evaluate_transformer
 from trainflow.cli import parse_config, print_summary
-from trainflow.paths import safe_name, trainflow_home
+from trainflow.paths import trainflow_home
 from trainflow.strategies.job import Workload, local_path
 from trainflow.tracking import pipeline_run, tracking_uri
 from trainflow.workloads import transformer as workload
@@ -45,7 +45,6 @@ def transformer(
     config: workload.TransformerConfig = workload.TransformerConfig(),
 ) -> TransformerResult:
     """Train the transformer with the chosen technique, evaluate it, register it if it learned."""
-    safe_name(config.registered_model_name, "registered_model_name")
     technique = config.technique.name
     with pipeline_run(
         config.experiment_name,

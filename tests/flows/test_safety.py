@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from tests.conftest import REPO_ROOT
 from trainflow.paths import safe_name
 from trainflow.workloads.mlp import MLPConfig, load_model
+from trainflow.workloads.transformer import TransformerConfig
 
 FLOW_REPORTING_LISTENERS = textwrap.dedent(
     """
@@ -60,6 +61,8 @@ def test_names_that_could_escape_their_folder_are_rejected(name):
         MLPConfig(registered_model_name=name)
     with pytest.raises(ValidationError, match="experiment_name"):
         MLPConfig(experiment_name=name)
+    with pytest.raises(ValidationError, match="registered_model_name"):
+        TransformerConfig(registered_model_name=name)
 
 
 def test_ordinary_names_pass():

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from trainflow import checkpoint, runtime
 from trainflow.models.transformer import TransformerClassifier
+from trainflow.paths import SafeName
 from trainflow.strategies import FSDPConfig, OptimizerConfig, Strategy, TechniqueConfig
 from trainflow.strategies.job import Resources, TrainResult
 from trainflow.strategies.loop import Batch, Schedule, fit
@@ -114,13 +115,10 @@ class TransformerConfig(BaseModel):
         'e.g. {"name": "deepspeed", "zero_stage": 3}.',
     )
     resources: Resources = Field(default_factory=Resources, description="Ranks, where they run.")
-    experiment_name: str = Field(
-        default="transformer", min_length=1, description="MLflow experiment."
-    )
-    registered_model_name: str = Field(
+    experiment_name: SafeName = Field(default="transformer", description="MLflow experiment.")
+    registered_model_name: SafeName = Field(
         default="transformer",
-        min_length=1,
-        description="MLflow registered model to add a version to.",
+        description="MLflow registered model to add a version to (letters, digits, ._-).",
     )
     min_eval_accuracy: float = Field(
         default=0.5, ge=0, le=1, description="Register only when held-out accuracy reaches this."
