@@ -241,6 +241,7 @@ class _Launch:
         res = resolve_resources(opts.gpus, opts.gpu_type, opts.nnodes)
         payload = _bind_payload(self.fn, args, kwargs)
         endpoint, run_id = self._rendezvous()
+        env = self._env(res)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         rd = RunDir(trainflow_home() / "runs" / f"{stamp}-{self.name}-{uuid.uuid4().hex[:8]}")
         rd.create(
@@ -259,7 +260,7 @@ class _Launch:
                 "sys_path": _caller_sys_path(),
                 # Names only: values (tokens, keys) travel in the agent's environment and are
                 # never written to disk.
-                "env_names": sorted(self._env(res)),
+                "env_names": sorted(env),
                 "caller_pid": os.getpid(),
             },
             payload,
@@ -271,7 +272,7 @@ class _Launch:
                 stdout=agent_log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, **self._env(res)},
+                env={**os.environ, **env},
             )
         try:
             timed_out = self._supervise(proc, rd)
