@@ -14,10 +14,26 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port that is free right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_serving(url: str, proc: subprocess.Popen, timeout_s: float, what: str) -> None:
+    """Poll `url` until it answers; kill `proc` and raise naming `what` if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.2)
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +58,7 @@ def prefect_api(tmp_path_factory):
     Sets PREFECT_API_URL for this process and for any subprocess a test starts.
     """
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
@@ -70,18 +86,7 @@ def prefect_api(tmp_path_factory):
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"prefect server did not start; see {home / 'server.log'}")
-        time.sleep(0.5)
+    wait_until_serving(f"{url}/health", proc, 90, f"prefect server (see {home / 'server.log'})")
     old = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
     os.environ["PREFECT_API_URL"] = url
     os.environ["PREFECT_HOME"] = str(home)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.conftest import free_port
 from trainflow import (
     LaunchError,
     LaunchTimeoutError,
@@ -290,12 +291,7 @@ def two_node_sum() -> tuple:
 
 def test_two_nodes_rendezvous_through_torch_elastic(monkeypatch):
     """Two agents on one machine stand in for two nodes: same endpoint, same run id."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("TRAINFLOW_RDZV_ENDPOINT", f"127.0.0.1:{port}")
+    monkeypatch.setenv("TRAINFLOW_RDZV_ENDPOINT", f"127.0.0.1:{free_port()}")
     monkeypatch.setenv("TRAINFLOW_RUN_ID", "two-node-test")
     results: list = []
     errors: list = []

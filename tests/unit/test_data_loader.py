@@ -2,15 +2,14 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port, wait_until_serving
 from tests.unit.conftest_data import batch_ids, run_python, tabular_config
 from trainflow.data import DataError, LoaderConfig, build_dataloader, prepare_dataset
 from trainflow.data.paths import stream_cache_dir
@@ -116,16 +115,10 @@ def test_run_after_a_crashed_run_with_stale_shared_memory_starts_cleanly(clicks)
     assert sorted(_flat(batch_ids(loader))) == list(range(200))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def s3_server(monkeypatch, tmp_path):
     """A real S3-compatible server (moto) on loopback, with a bucket 'datasets'."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
@@ -133,16 +126,7 @@ def s3_server(monkeypatch, tmp_path):
         start_new_session=True,
     )
     endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(endpoint, timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("moto server did not start") from None
-            time.sleep(0.2)
+    wait_until_serving(endpoint, proc, 60, "moto server")
     for key, value in {
         "S3_ENDPOINT_URL": endpoint,
         "AWS_ACCESS_KEY_ID": "testing",
