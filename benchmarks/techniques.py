@@ -22,7 +22,13 @@ from trainflow import launch, runtime
 from trainflow.strategies import DDPConfig, DeepSpeedConfig, FSDPConfig, build_strategy
 from trainflow.strategies.loop import Schedule, fit
 from trainflow.tracking import NullSink
-from trainflow.workloads.transformer import TransformerConfig, build_model, compute, micro_batches
+from trainflow.workloads.transformer import (
+    TransformerConfig,
+    build_model,
+    compute,
+    micro_batches,
+    wrap_model,
+)
 
 TECHNIQUES = {
     "ddp": DDPConfig(),
@@ -42,13 +48,7 @@ def measure(config: TransformerConfig, name: str, warmup: int, checkpoint_root: 
         rank, world = runtime.get_global_rank(), runtime.get_world_size()
         t = config.training
         strategy = build_strategy(TECHNIQUES[name])
-        torch.manual_seed(t.seed)
-        strategy.wrap(
-            build_model(config),
-            t.optimizer,
-            micro_batch_size=t.micro_batch_size(world),
-            grad_accum_steps=t.grad_accum_steps,
-        )
+        wrap_model(config, strategy)
 
         def run(start: int, end: int) -> float:
             begin = time.perf_counter()

@@ -179,6 +179,18 @@ def compute(model: nn.Module, batch: Batch) -> dict[str, Tensor]:
     return {"loss": F.cross_entropy(logits, labels), "accuracy": accuracy}
 
 
+def wrap_model(config: TransformerConfig, strategy: Strategy) -> None:
+    """Build the seeded model and hand it, with its optimizer, to `strategy` on this rank."""
+    t = config.training
+    torch.manual_seed(t.seed)
+    strategy.wrap(
+        build_model(config),
+        t.optimizer,
+        micro_batch_size=t.micro_batch_size(runtime.get_world_size()),
+        grad_accum_steps=t.grad_accum_steps,
+    )
+
+
 def train(
     config: TransformerConfig,
     strategy: Strategy,
@@ -190,13 +202,7 @@ def train(
     """Train on this rank with `strategy`; checkpoint, then export the consolidated model."""
     rank, world = runtime.get_global_rank(), runtime.get_world_size()
     t = config.training
-    torch.manual_seed(t.seed)
-    strategy.wrap(
-        build_model(config),
-        t.optimizer,
-        micro_batch_size=t.micro_batch_size(world),
-        grad_accum_steps=t.grad_accum_steps,
-    )
+    wrap_model(config, strategy)
     start = 0
     if (resume := checkpoint.resolve(resume_from)) is not None:
         start = strategy.load(resume)
