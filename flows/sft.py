@@ -29,7 +29,7 @@ from tasks.tracking import log_metrics
 from trainflow.cli import parse_config, print_summary
 from trainflow.paths import trainflow_home
 from trainflow.strategies.job import Workload
-from trainflow.tracking import flatten_params, pipeline_run, tracking_uri
+from trainflow.tracking import pipeline_run, tracking_uri
 from trainflow.workloads import sft as workload
 
 
@@ -98,7 +98,7 @@ def sft(config: workload.SFTConfig = workload.load_sft_preset("debug_cpu")) -> S
     publish_summary(
         "sft-summary",
         title="SFT pipeline",
-        config=flatten_params(config.model_dump()),
+        config=config.model_dump(),
         metrics=metrics,
         model=f"{config.registered_model_name} v{version}"
         + (" (champion)" if not failures else " (gate not passed: no alias)"),

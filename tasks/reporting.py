@@ -7,7 +7,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from trainflow.tracking import tracking_uri
+from trainflow.tracking import flatten_params, tracking_uri
 
 
 def _table(rows: Mapping[str, Any]) -> str:
@@ -27,11 +27,14 @@ def publish_summary(
     model: str,
     mlflow_run_id: str,
 ) -> str:
-    """Create the run's markdown summary artifact (config, metrics, model); returns its id."""
+    """Create the run's markdown summary artifact (config, metrics, model); returns its id.
+
+    A nested config is shown flat, one `section.field` row per value, as in MLflow's params.
+    """
     markdown = (
         f"# {title}\n\n**Model:** {model}  \n**MLflow run:** `{mlflow_run_id}` "
         f"in `{tracking_uri()}`\n\n## Metrics\n\n{_table(metrics)}\n\n"
-        f"## Config\n\n{_table(config)}\n"
+        f"## Config\n\n{_table(flatten_params(config))}\n"
     )
     artifact_id = create_markdown_artifact(key=key, markdown=markdown, description=title)
     return str(artifact_id)
