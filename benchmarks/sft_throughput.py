@@ -92,7 +92,7 @@ def pipeline_step(steps: int, gpus: int) -> dict[str, float]:
         result = launch(
             run_on_rank,
             (workload, config.technique),
-            options=config.resources().launch_options(),
+            options=config.resources.launch_options(),
             on_line=lambda rank, line: print(f"[rank {rank}] {line}", file=sys.stderr),
         ).values[0]
     m = result.metrics

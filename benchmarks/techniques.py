@@ -83,7 +83,8 @@ def main() -> None:
     args = parser.parse_args()
     config = TransformerConfig(
         training={"num_steps": args.warmup + args.steps, "global_batch_size": 16},
-        resources={"gpus": args.gpus, "gpu_type": args.gpu_type},
+        gpus=args.gpus,
+        gpu_type=args.gpu_type,
     )
     options = config.resources.launch_options()
     rows = {}

@@ -18,103 +18,38 @@ import functools
 import sys
 
 from prefect import flow
-from prefect.runtime import flow_run
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from flows.techniques import techniques
+from flows.skeleton import PipelineResult, evaluate, finish, register, tracked_run, train
 from tasks.data import prepare_dataset
-from tasks.reporting import publish_summary
-from tasks.sft import evaluate_sft, publish_loss_curve, register_sft_model, training_progress
-from tasks.tracking import log_metrics
-from trainflow.cli import parse_config, print_summary
-from trainflow.paths import trainflow_home
-from trainflow.strategies.job import Workload
-from trainflow.tracking import pipeline_run, tracking_uri
-from trainflow.workloads import sft as workload
+from trainflow.cli import pipeline_config, run_pipeline
+from trainflow.configs.sft import SFTConfig, SFTJob, load_sft_preset, sft_preset_names
+from trainflow.workloads import WORKLOADS
+
+SFT = WORKLOADS["sft"]
 
 
-class SFTResult(BaseModel):
-    """What a pipeline run produced."""
+class SFTResult(PipelineResult):
+    """What a pipeline run produced, and the dataset the model was trained on."""
 
-    mlflow_run_id: str = Field(description="MLflow run holding params, metrics and the model.")
-    technique: str = Field(description="Technique that trained the model.")
-    registered_model_name: str = Field(description="MLflow registered model name.")
-    model_version: str = Field(description="Registered model version.")
-    champion: bool = Field(description="Whether the version passed the gate and got the alias.")
     dataset_uri: str = Field(description="Prepared dataset the model was trained on.")
-    prefect_flow_run_id: str = Field(description="This pipeline's Prefect flow run.")
-    metrics: dict[str, float] = Field(description="Training and held-out metrics, before/after.")
-    tracking_uri: str = Field(description="MLflow store the run was logged to.")
 
 
 @flow(name="sft", log_prints=True)
-def sft(config: workload.SFTConfig = workload.load_sft_preset("debug_cpu")) -> SFTResult:
+def sft(config: SFTConfig = load_sft_preset("debug_cpu")) -> SFTResult:
     """Fine-tune a causal LM: prepare -> train -> evaluate -> register (alias past the gate)."""
     data = prepare_dataset(config.data_config())
-    technique = config.technique.name
     lineage = {
         "dataset_uri": data.uri,
         "dataset_fingerprint": data.fingerprint,
-        "technique": technique,
         "base_model": config.model,
         "lora": str(config.lora).lower(),
-        "prefect_flow_run_id": str(flow_run.get_id()),
-        "code_version": workload.code_version(),
     }
-    with pipeline_run(
-        config.experiment_name,
-        run_name=f"sft-{technique}-{flow_run.get_name() or 'local'}",
-        params=config.model_dump(),
-        tags=lineage,
-    ) as run_id:
-        output_dir = str(trainflow_home() / "outputs" / "sft" / run_id)
-        with training_progress(output_dir):
-            trained = techniques[technique](
-                workload=Workload(
-                    train_fn=workload.train,
-                    model_fn=workload.build_model,
-                    config=workload.SFTJob(config=config, data=data),
-                    output_dir=output_dir,
-                    mlflow_run_id=run_id,
-                ),
-                technique=config.technique,
-                resources=config.resources(),
-            )
-        publish_loss_curve(run_id, trained.history, output_dir)
-        report = evaluate_sft(config, data, output_dir)
-        log_metrics(run_id, report)
-        failures = workload.gate_failures(config.evaluation, report)
-        for failure in failures:
-            print(f"gate not passed, no champion alias: {failure}")
-        version = register_sft_model(
-            run_id,
-            config,
-            data,
-            output_dir,
-            lineage | {"mlflow_run_id": run_id, "world_size": str(trained.world_size)},
-            champion=not failures,
-        )
-    metrics = trained.metrics | report
-    publish_summary(
-        "sft-summary",
-        title="SFT pipeline",
-        config=config.model_dump(),
-        metrics=metrics,
-        model=f"{config.registered_model_name} v{version}"
-        + (" (champion)" if not failures else " (gate not passed: no alias)"),
-        mlflow_run_id=run_id,
-    )
-    return SFTResult(
-        mlflow_run_id=run_id,
-        technique=technique,
-        registered_model_name=config.registered_model_name,
-        model_version=version,
-        champion=not failures,
-        dataset_uri=data.uri,
-        prefect_flow_run_id=lineage["prefect_flow_run_id"],
-        metrics=metrics,
-        tracking_uri=tracking_uri(),
-    )
+    with tracked_run(SFT, config, lineage) as run:
+        trained = train(run, config, SFTJob(config=config, data=data))
+        evaluation = evaluate(run, trained)
+        version = register(run, config, evaluation, trained)
+    return finish(run, config, trained, evaluation, version, SFTResult, dataset_uri=data.uri)
 
 
 SUMMARY_METRICS = [
@@ -124,35 +59,18 @@ SUMMARY_METRICS = [
 ] + ["train_runtime", "train_tokens_per_s"]
 
 
-def parse_args(argv: list[str] | None) -> workload.SFTConfig:
+PRESETS = {name: functools.partial(load_sft_preset, name) for name in sft_preset_names()}
+
+
+def parse_args(argv: list[str] | None) -> SFTConfig:
     """The command line as a validated config (`--preset` picks the starting values)."""
-    return parse_config(
-        workload.SFTConfig,
-        workload.load_sft_preset("debug_cpu"),
-        argv,
-        prog="python -m flows.sft",
-        description=__doc__ or "",
-        presets={
-            name: functools.partial(workload.load_sft_preset, name)
-            for name in workload.sft_preset_names()
-        },
-    )
+    return pipeline_config(sft, load_sft_preset("debug_cpu"), argv, __doc__, PRESETS)
 
 
 def main(argv: list[str] | None = None) -> SFTResult:
-    result = sft(parse_args(argv))
-    alias = "champion" if result.champion else "no alias (gate not passed)"
-    print_summary(
-        "sft pipeline finished",
-        {
-            "MLflow store": result.tracking_uri,
-            "MLflow run": result.mlflow_run_id,
-            "Technique": result.technique,
-            "Model": f"{result.registered_model_name} version {result.model_version}, {alias}",
-        },
-        {k: result.metrics[k] for k in SUMMARY_METRICS if k in result.metrics},
+    return run_pipeline(  # type: ignore[no-any-return]
+        sft, load_sft_preset("debug_cpu"), argv, __doc__, PRESETS, SUMMARY_METRICS
     )
-    return result
 
 
 if __name__ == "__main__":

@@ -2,12 +2,39 @@
 
 `from trainflow import distributed, runtime` is the whole API for running a function on
 every rank; pipelines live in `flows/`.
+
+Names are imported on first use: configs, `--help` and deployment validation read
+`trainflow.configs` and `trainflow.resources` without paying for torch.
 """
 
-from trainflow import runtime
-from trainflow.errors import LaunchError, LaunchTimeoutError, PayloadError, RankError
-from trainflow.launcher import DistributedFunction, LaunchOptions, LaunchResult, distributed, launch
-from trainflow.resources import ResourceError
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainflow import runtime
+    from trainflow.errors import LaunchError, LaunchTimeoutError, PayloadError, RankError
+    from trainflow.launcher import (
+        DistributedFunction,
+        LaunchOptions,
+        LaunchResult,
+        distributed,
+        launch,
+    )
+    from trainflow.resources import ResourceError, Resources
+
+_EXPORTS = {
+    "DistributedFunction": "trainflow.launcher",
+    "LaunchError": "trainflow.errors",
+    "LaunchOptions": "trainflow.launcher",
+    "LaunchResult": "trainflow.launcher",
+    "LaunchTimeoutError": "trainflow.errors",
+    "PayloadError": "trainflow.errors",
+    "RankError": "trainflow.errors",
+    "ResourceError": "trainflow.resources",
+    "Resources": "trainflow.resources",
+    "distributed": "trainflow.launcher",
+    "launch": "trainflow.launcher",
+}
 
 __all__ = [
     "DistributedFunction",
@@ -18,7 +45,16 @@ __all__ = [
     "PayloadError",
     "RankError",
     "ResourceError",
+    "Resources",
     "distributed",
     "launch",
     "runtime",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "runtime":
+        return importlib.import_module("trainflow.runtime")
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'trainflow' has no attribute {name!r}")

@@ -173,6 +173,66 @@ def parse_config(
         raise  # unreachable: parser.error exits
 
 
+def pipeline_config(
+    flow: Any,
+    defaults: M,
+    argv: list[str] | None,
+    doc: str | None,
+    presets: Mapping[str, Callable[[], M]] | None = None,
+) -> M:
+    """The command line of pipeline `flow` (`python -m flows.<name>`) as a validated config."""
+    return parse_config(
+        type(defaults),
+        defaults,
+        argv,
+        prog=f"python -m flows.{flow.name}",
+        description=doc or "",
+        presets=presets,
+    )
+
+
+def run_pipeline(
+    flow: Any,
+    defaults: M,
+    argv: list[str] | None,
+    doc: str | None,
+    presets: Mapping[str, Callable[[], M]] | None = None,
+    summary_metrics: list[str] | None = None,
+) -> Any:
+    """`python -m flows.<name>`: parse the command line, run the flow, print where things are.
+
+    Args:
+        flow: The pipeline's flow; it takes the config and returns a `PipelineResult`.
+        defaults: The config the options start from.
+        argv: Command-line arguments (None: `sys.argv[1:]`).
+        doc: The flow module's docstring, shown by `--help`.
+        presets: `--preset NAME` choices, each giving a starting config.
+        summary_metrics: Metrics to print at the end, in order (None: all).
+    """
+    result = flow(pipeline_config(flow, defaults, argv, doc, presets))
+    if result.model_version is None:
+        model = "not registered (gate failed)"
+    else:
+        model = f"{result.registered_model_name} version {result.model_version}"
+        if result.alias:
+            model += f", {result.alias}"
+        elif not result.champion:
+            model += ", no alias (gate not passed)"
+    metrics = result.metrics
+    shown = summary_metrics if summary_metrics is not None else list(metrics)
+    print_summary(
+        f"{flow.name} pipeline finished",
+        {
+            "MLflow store": result.tracking_uri,
+            "MLflow run": result.mlflow_run_id,
+            "Technique": result.technique,
+            "Model": model,
+        },
+        {k: metrics[k] for k in shown if k in metrics},
+    )
+    return result
+
+
 def print_summary(title: str, rows: dict[str, str], metrics: dict[str, float]) -> None:
     """The block a pipeline prints when it ends: where things are, then its metrics."""
     width = max(len(k) for k in [*rows, *metrics])

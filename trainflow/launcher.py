@@ -37,7 +37,7 @@ import psutil
 
 from trainflow.errors import LaunchError, LaunchTimeoutError, PayloadError, RankError
 from trainflow.paths import trainflow_home
-from trainflow.resources import Resources, resolve_resources
+from trainflow.resources import LaunchPlan, resolve_resources
 from trainflow.run_dir import RunDir
 
 P = ParamSpec("P")
@@ -83,7 +83,7 @@ class LaunchResult:
     values: list[Any]
     run_dir: Path
     log_files: dict[int, Path]
-    resources: Resources
+    resources: LaunchPlan
 
 
 def _print_line(rank: int, line: str) -> None:
@@ -211,7 +211,7 @@ class _Launch:
             )
         return endpoint, run_id
 
-    def _env(self, res: Resources) -> dict[str, str]:
+    def _env(self, res: LaunchPlan) -> dict[str, str]:
         env = {
             "PYTHONUNBUFFERED": "1",
             "TRAINFLOW_DEVICE": res.device,
@@ -225,7 +225,7 @@ class _Launch:
         return env
 
     @staticmethod
-    def _start_method(res: Resources) -> str:
+    def _start_method(res: LaunchPlan) -> str:
         """fork on CPU: ranks start ~2x sooner, as torch is already imported in the agent.
 
         spawn on GPUs, the method torch recommends with CUDA, where start-up time is small next
@@ -306,7 +306,7 @@ class _Launch:
             self._tail.poll()
 
     def _collect(
-        self, returncode: int, rd: RunDir, res: Resources, timed_out: bool
+        self, returncode: int, rd: RunDir, res: LaunchPlan, timed_out: bool
     ) -> LaunchResult:
         self._tail.poll(final=True)
         log_dir = str(rd.logs)

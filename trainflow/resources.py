@@ -1,7 +1,12 @@
-"""Decide, before anything starts, which devices a launch gets: GPUs of a named type, or CPU ranks.
+"""Where ranks run: the one request model (`Resources`), and the plan a launch resolves it to.
 
-`resolve_resources` is a pure function of the request and a `GpuInventory`, so the GPU branches
-are testable on a machine without GPUs by passing an inventory in.
+`Resources` (GPU count, GPU type, nodes, timeout) is what pipeline configs, deployment profiles,
+technique subflows and the launcher all read; pipeline configs inherit its fields, so every
+pipeline takes `--gpus`, `--gpu-type`, `--nnodes` and `--timeout-s` alike. It imports no torch.
+
+`resolve_resources` turns a request into a `LaunchPlan` before anything starts. It is a pure
+function of the request and a `GpuInventory`, so the GPU branches are testable on a machine
+without GPUs by passing an inventory in.
 """
 
 import logging
@@ -10,7 +15,12 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from trainflow.launcher import LaunchOptions
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +81,38 @@ class GpuInventory:
         return cls(tuple(names))
 
 
+class Resources(BaseModel):
+    """Where the ranks run: GPU count and type, nodes, and a bound on the launch.
+
+    Pipeline configs subclass it, so its fields are top-level options of every pipeline.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: int = Field(default=2, ge=1, description="Ranks in total (GPUs, or CPU processes).")
+    gpu_type: str | None = Field(
+        default=None,
+        description='GPU type such as "H100"; "cpu" forces CPU ranks; empty: what exists.',
+    )
+    nnodes: int = Field(default=1, ge=1, description="Nodes the ranks are spread over.")
+    timeout_s: float = Field(default=3600, gt=0, description="Bound on the whole training launch.")
+
+    @property
+    def resources(self) -> "Resources":
+        """Only the placement fields (of a pipeline config that inherits them)."""
+        return Resources.model_validate(self.model_dump(include=set(Resources.model_fields)))
+
+    def launch_options(self) -> "LaunchOptions":
+        """The launcher's options for these resources."""
+        from trainflow.launcher import LaunchOptions
+
+        return LaunchOptions(
+            gpus=self.gpus, gpu_type=self.gpu_type, nnodes=self.nnodes, timeout=self.timeout_s
+        )
+
+
 @dataclass(frozen=True)
-class Resources:
+class LaunchPlan:
     """What a launch will use: the device kind and how many ranks on each node."""
 
     device: Literal["cuda", "cpu"]
@@ -102,7 +142,7 @@ def resolve_resources(
     gpu_type: str | None,
     nnodes: int = 1,
     inventory: GpuInventory | None = None,
-) -> Resources:
+) -> LaunchPlan:
     """Turn `gpus`/`gpu_type`/`nnodes` into a launch plan, or fail with a clear error.
 
     Args:
@@ -127,12 +167,12 @@ def resolve_resources(
         )
     per_node = gpus // nnodes
     if gpu_type is not None and gpu_type.strip().lower() == "cpu":
-        return Resources("cpu", per_node, nnodes)
+        return LaunchPlan("cpu", per_node, nnodes)
 
     inventory = inventory if inventory is not None else GpuInventory.detect()
     if gpu_type is None:
         if inventory.count == 0:
-            return Resources("cpu", per_node, nnodes)
+            return LaunchPlan("cpu", per_node, nnodes)
         matching = inventory.names
     else:
         matching = tuple(n for n in inventory.names if gpu_name_matches(gpu_type, n))
@@ -144,7 +184,7 @@ def resolve_resources(
                 logger.warning(
                     "%s; %s=1, so running %d CPU ranks", message, CPU_FALLBACK_ENV, per_node
                 )
-                return Resources("cpu", per_node, nnodes)
+                return LaunchPlan("cpu", per_node, nnodes)
             raise ResourceError(
                 f"{message}. Set gpu_type=None to use what is present, gpu_type='cpu' for CPU "
                 f"ranks, or {CPU_FALLBACK_ENV}=1 to fall back to CPU ranks with a warning."
@@ -155,4 +195,4 @@ def resolve_resources(
             + (f" of type {gpu_type!r}" if gpu_type else "")
             + f", but this machine has {inventory.describe()}"
         )
-    return Resources("cuda", per_node, nnodes, gpu_name=matching[0])
+    return LaunchPlan("cuda", per_node, nnodes, gpu_name=matching[0])

@@ -6,6 +6,7 @@ buffered sink, so a training step never waits on a tracking-server round trip.
 """
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -76,6 +77,38 @@ class MlflowSink:
         while self.buffer:
             batch, self.buffer = self.buffer[:1000], self.buffer[1000:]
             self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
+
+
+PROGRESS_FILE = "progress.json"
+
+
+class ProgressFile:
+    """Rank 0's training progress as a small JSON file the orchestrator follows.
+
+    Ranks never talk to Prefect: the pipeline reads this file and shows a progress artifact.
+    Writes are atomic (write, then rename), so a reader never sees half a file.
+    """
+
+    def __init__(self, path: str | Path | None, max_steps: int):
+        self.path = Path(path) if path is not None else None
+        self.max_steps = max_steps
+
+    def update(self, step: int) -> None:
+        """Record that `step` of `max_steps` is done (a no-op without a path)."""
+        if self.path is None:
+            return
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": step, "max_steps": self.max_steps}))
+        tmp.replace(self.path)
+
+
+def read_progress(path: str | Path) -> float | None:
+    """Percent of steps done from a progress file, or None when there is none yet."""
+    try:
+        state = json.loads(Path(path).read_text())
+        return 100.0 * state["step"] / state["max_steps"]
+    except (OSError, ValueError, KeyError, ZeroDivisionError):
+        return None
 
 
 def metrics_sink(run_id: str | None, is_rank_zero: bool, flush_every: int = 50) -> MetricsSink:
@@ -216,6 +249,23 @@ def set_alias(registered_model_name: str, version: str, alias: str) -> None:
     _client().set_registered_model_alias(registered_model_name, alias, version)
 
 
-def log_artifact(run_id: str, path: str | Path) -> None:
-    """Attach a local file (a plot, a report) to a run."""
-    _client().log_artifact(run_id, str(path))
+def log_figure(run_id: str, figure: Any, artifact_file: str) -> None:
+    """Attach a matplotlib figure to a run as an image (`artifact_file`, e.g. loss_curve.png)."""
+    _client().log_figure(run_id, figure, artifact_file)
+
+
+def code_version() -> str:
+    """The checkout's commit (`git describe --always --dirty`), or 'unknown' outside git."""
+    import subprocess
+
+    try:
+        return subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -37,7 +37,9 @@ def tiny_config(technique: TechniqueConfig, gpus: int = 2, **training) -> Transf
         model=TINY,
         training={"num_steps": 6, "global_batch_size": 8, "log_every": 1} | training,
         technique=technique,
-        resources={"gpus": gpus, "gpu_type": "cpu", "timeout_s": 300},
+        gpus=gpus,
+        gpu_type="cpu",
+        timeout_s=300,
     )
 
 

@@ -21,7 +21,7 @@ def gpu_config(technique):
     config = tiny_config(technique, checkpoint_every=3)
     gpus = min(2, torch.cuda.device_count())
     return config.model_copy(
-        update={"resources": config.resources.model_copy(update={"gpus": gpus, "gpu_type": None})}
+        update={"gpus": gpus, "gpu_type": None}
     )
 
 

@@ -19,7 +19,7 @@ TINY_ARGS = [
     *("--model-vocab-size", "64", "--model-seq-len", "16", "--model-d-model", "32"),
     *("--model-num-heads", "2", "--model-num-layers", "2", "--model-d-ff", "64"),
     *("--training-num-steps", "30", "--training-optimizer-learning-rate", "0.003"),
-    *("--training-checkpoint-every", "15", "--resources-gpu-type", "cpu"),
+    *("--training-checkpoint-every", "15", "--gpu-type", "cpu"),
 ]
 
 
@@ -74,7 +74,7 @@ def test_pipeline_registers_the_model_whichever_technique(prefect_api, technique
             ["--technique", '{"name": "deepspeed", "zero_stage": 4}'],
             "--technique-deepspeed-zero-stage",
         ),
-        (["--technique", "fsdp", "--resources-gpus", "3"], "global_batch_size"),
+        (["--technique", "fsdp", "--gpus", "3"], "global_batch_size"),
         (["--technique", '{"name": "fsdp", "replicate_degree": 3}'], "replicate_degree"),
         (["--technique", "zero"], "--technique"),
     ],

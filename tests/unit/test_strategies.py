@@ -57,15 +57,15 @@ def test_technique_is_chosen_by_name():
 )
 def test_invalid_technique_names_the_field(technique, field):
     with pytest.raises(ValidationError, match=field):
-        TransformerConfig(technique=technique, resources={"gpus": 2})
+        TransformerConfig(technique=technique, gpus=2)
 
 
 def test_world_size_must_split_into_replica_groups():
-    TransformerConfig(technique={"name": "fsdp", "replicate_degree": 2}, resources={"gpus": 4})
+    TransformerConfig(technique={"name": "fsdp", "replicate_degree": 2}, gpus=4)
     with pytest.raises(ValidationError, match=r"replicate_degree=4 does not divide .* 6"):
         TransformerConfig(
             technique={"name": "fsdp", "replicate_degree": 4},
-            resources={"gpus": 6},
+            gpus=6,
             training={"global_batch_size": 12},
         )
 

@@ -1,41 +1,25 @@
 """What a technique subflow launches: a workload, the ranks it needs, and what comes back.
 
 Only these small pydantic values cross the process boundary; each rank builds its data and
-model itself.
+model itself. The module imports no torch: the orchestrator reads it before any rank starts.
 """
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ImportString, SerializeAsAny
 
-from trainflow import runtime
-from trainflow.launcher import LaunchOptions
-from trainflow.strategies import build_strategy
+from trainflow.resources import Resources
 from trainflow.strategies.config import TechniqueConfig
 
-
-class Resources(BaseModel):
-    """Where the ranks run."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    gpus: int = Field(
-        default=2, ge=1, description="Ranks in total (GPUs, or CPU processes on CPU)."
-    )
-    gpu_type: str | None = Field(
-        default=None,
-        description='GPU type such as "H100"; "cpu" forces CPU ranks; empty: what exists.',
-    )
-    nnodes: int = Field(default=1, ge=1, description="Nodes the ranks are spread over.")
-    timeout_s: float = Field(default=1800, gt=0, description="Bound on the whole training launch.")
-
-    def launch_options(self) -> LaunchOptions:
-        """The launcher's options for these resources."""
-        return LaunchOptions(
-            gpus=self.gpus, gpu_type=self.gpu_type, nnodes=self.nnodes, timeout=self.timeout_s
-        )
+__all__ = [
+    "Resources",
+    "TrainResult",
+    "Workload",
+    "check_before_launch",
+    "local_path",
+    "run_on_rank",
+]
 
 
 class Workload(BaseModel):
@@ -52,6 +36,14 @@ class Workload(BaseModel):
     model_fn: ImportString = Field(description="Import path module:function building the model.")
     config: SerializeAsAny[BaseModel] = Field(description="The workload's own config.")
     output_dir: str = Field(description="Folder for checkpoints and the exported model.")
+    framework: Literal["torch", "hf", "lightning"] = Field(
+        default="torch",
+        description="What applies the technique on the ranks: our loop, the Hugging Face "
+        "Trainer or Lightning.",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto", description="Process-group backend; auto is nccl on GPUs, else gloo."
+    )
     mlflow_run_id: str | None = Field(
         default=None, description="MLflow run rank 0 logs metrics to."
     )
@@ -66,10 +58,10 @@ class TrainResult(BaseModel):
     technique: str = Field(description="Technique that trained the model.")
     world_size: int = Field(description="Ranks that trained it.")
     steps: int = Field(description="Optimizer steps reached.")
-    metrics: dict[str, float] = Field(description="Training metrics at the last logged step.")
+    metrics: dict[str, float] = Field(description="Training metrics (train_*) at the end.")
     history: dict[int, dict[str, float]] = Field(description="Logged metrics by step.")
     checkpoint_uri: str | None = Field(description="Last checkpoint written (file URI).")
-    model_uri: str = Field(description="Consolidated plain state dict (file URI).")
+    model_uri: str = Field(description="The trained model: a file or folder URI.")
 
 
 def local_path(uri: str) -> Path:
@@ -83,8 +75,14 @@ def check_before_launch(
     """Fail in the caller, before any rank starts, if the technique cannot train the workload.
 
     Raises:
-        ValueError: naming the technique field or the model that does not fit.
+        ValueError: naming the technique field, the framework, or the model that does not fit.
     """
+    import torch
+
+    from trainflow.strategies import build_strategy
+    from trainflow.strategies.config import check_framework
+
+    check_framework(technique, workload.framework)
     technique.check_world_size(resources.gpus)
     with torch.device("meta"):
         model = workload.model_fn(workload.config)
@@ -93,7 +91,11 @@ def check_before_launch(
 
 def run_on_rank(workload: Workload, technique: TechniqueConfig) -> Any:
     """Rank entry point: open the process group, build the strategy, run the workload."""
-    with runtime.process_group():
+    from trainflow import runtime
+    from trainflow.strategies import build_strategy
+
+    backend = None if workload.backend == "auto" else workload.backend
+    with runtime.process_group(backend):
         return workload.train_fn(
             workload.config,
             build_strategy(technique),

@@ -7,6 +7,7 @@ gradient synchronisation and checkpoints work.
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,9 +15,11 @@ from torch import nn
 
 from trainflow import checkpoint, runtime
 from trainflow.strategies.base import Strategy
-from trainflow.tracking import MetricsSink
+from trainflow.tracking import MetricsSink, ProgressFile
 
-Batch = Sequence[torch.Tensor]
+# A micro-batch: tensors, or lists, tuples and dicts of them (detection targets are a list of
+# dicts); `to_device` moves every tensor in it.
+Batch = Any
 # (model, micro-batch on the rank's device) -> {"loss": ..., other metrics}, scalar tensors.
 ComputeFn = Callable[[nn.Module, Batch], Mapping[str, torch.Tensor]]
 
@@ -47,6 +50,22 @@ class FitResult:
     history: dict[int, dict[str, float]] = field(default_factory=dict)
     last_checkpoint: Path | None = None
 
+    def last_metrics(self) -> dict[str, float]:
+        """The last logged metrics as `train_<name>`, as the MLflow run has them."""
+        last = self.history[max(self.history)] if self.history else {}
+        return {f"train_{k}": v for k, v in last.items()}
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """`batch` with every tensor in it moved to `device` (containers keep their type)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
 
 def mean_over_ranks(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """Average scalar tensors over all ranks (one all-reduce)."""
@@ -64,6 +83,7 @@ def fit(
     sink: MetricsSink,
     checkpoint_root: Path,
     start_step: int = 0,
+    progress_file: Path | None = None,
 ) -> FitResult:
     """Train from `start_step` to `schedule.num_steps`.
 
@@ -75,15 +95,17 @@ def fit(
         sink: Where rank 0 logs metrics (a null sink elsewhere).
         checkpoint_root: Folder for `step_NNNNNN` checkpoints.
         start_step: Steps already done (from a checkpoint).
+        progress_file: Where rank 0 records steps done (other ranks and None: nowhere).
     """
     model, device = strategy.wrapped, strategy.device
     result = FitResult(steps=start_step)
+    progress = ProgressFile(progress_file if runtime.is_rank_zero() else None, schedule.num_steps)
     for step in range(start_step + 1, schedule.num_steps + 1):
         micro = batches(step)
         totals: dict[str, torch.Tensor] = {}
         for i, batch in enumerate(micro):
             with strategy.micro_batch(sync=i == len(micro) - 1):
-                metrics = compute(model, [t.to(device) for t in batch])
+                metrics = compute(model, to_device(batch, device))
                 strategy.backward(metrics["loss"] / len(micro))
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0) + value.detach() / len(micro)
@@ -95,9 +117,11 @@ def fit(
             sink.log(step, {f"train_{k}": v for k, v in logged.items()})
             shown = " ".join(f"{k} {v:.4f}" for k, v in logged.items())
             runtime.print0(f"step {step}/{schedule.num_steps} {shown}")
+            progress.update(step)
         if schedule.should_checkpoint(step):
             path = checkpoint.checkpoint_path(checkpoint_root, step)
             strategy.save(path, step)
             result.last_checkpoint = path
     sink.flush()
+    progress.update(result.steps)
     return result

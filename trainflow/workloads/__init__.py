@@ -1,1 +1,65 @@
-"""Training functions that run on every rank: plain torch, no Prefect."""
+"""Workloads: what runs on the ranks, how it is evaluated and how its model is registered.
+
+A workload is a module with its config in `trainflow.configs` and these functions, all plain
+torch (no Prefect):
+
+    build_model(job) -> nn.Module              # built on the meta device before launch
+    train(job, strategy, *, output_dir, mlflow_run_id, resume_from) -> TrainResult   # each rank
+    evaluate(job, trained) -> Evaluation       # held-out metrics, the trained model loaded once
+    log_model(job, evaluation, run_id, name, tags) -> str   # MLflow version
+
+`job` is the workload's config, or a model carrying it with what the pipeline prepared (the
+SFT job adds its dataset). Adding a workload: that module, its config, one line in `WORKLOADS`,
+a flow in `flows/` and its `prefect.yaml` entries.
+
+This package imports nothing heavy: the registry is read before any rank starts.
+"""
+
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Literal
+
+Framework = Literal["torch", "hf", "lightning"]
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A registered workload.
+
+    Attributes:
+        name: Pipeline name: MLflow outputs folder, artifact keys and task names use it.
+        module: Import path of the workload module (imported on first use).
+        framework: What applies the technique on the ranks: our own loop over
+            `Strategy.wrap` ("torch"), the Hugging Face Trainer ("hf") or Lightning.
+        alias: None registers a version only past the gate; a name ("champion") registers
+            every finished run and moves that alias only past the gate.
+    """
+
+    name: str
+    module: str
+    framework: Framework
+    alias: str | None = None
+
+    def ref(self, attr: str) -> str:
+        """`module:attr`, the import string a rank resolves."""
+        return f"{self.module}:{attr}"
+
+    def load(self) -> ModuleType:
+        """The workload module (imports torch and friends)."""
+        return importlib.import_module(self.module)
+
+
+@dataclass
+class Evaluation:
+    """Held-out metrics, and the trained model they were computed on (for registration)."""
+
+    metrics: dict[str, float]
+    model: Any = field(default=None, repr=False)
+
+
+WORKLOADS: dict[str, WorkloadSpec] = {
+    "mlp": WorkloadSpec("mlp", "trainflow.workloads.mlp", "torch"),
+    "transformer": WorkloadSpec("transformer", "trainflow.workloads.transformer", "torch"),
+    "sft": WorkloadSpec("sft", "trainflow.workloads.sft", "hf", alias="champion"),
+}

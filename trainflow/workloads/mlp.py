@@ -1,73 +1,30 @@
 """Regression with a simple MLP under DDP: the "hello world" of distributed training.
 
-`train` runs on every rank (any launcher: `trainflow.distributed`, torchrun, Ray); `evaluate`
-runs wherever the trained weights are.
+`train` runs on every rank with the strategy the technique subflow chose (DDP by default) and
+the shared loop; `evaluate` runs wherever the trained weights are.
 """
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
 
 import torch
-import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from torch.nn.parallel import DistributedDataParallel
+import torch.nn.functional as F
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainflow import runtime
+from trainflow.configs.mlp import MLPConfig
 from trainflow.models.mlp import SimpleMLP
-from trainflow.paths import SafeName
-from trainflow.tracking import metrics_sink
+from trainflow.strategies.base import Strategy
+from trainflow.strategies.job import TrainResult, local_path
+from trainflow.strategies.loop import Batch, Schedule, fit
+from trainflow.tracking import PROGRESS_FILE, metrics_sink, register_pytorch_model
+from trainflow.workloads import Evaluation
 
 # Ground-truth function parameters come from a fixed seed, so train and held-out data agree
 # whatever seed the run uses for sampling.
 _TRUTH_SEED = 1234
-
-
-class MLPConfig(BaseModel):
-    """Everything the MLP pipeline needs; shown as the run form in the Prefect UI."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    num_features: int = Field(10, ge=1, description="Input features of the synthetic data.")
-    hidden_size: int = Field(64, ge=1, description="Width of the two hidden layers.")
-    num_train_samples: int = Field(8192, ge=16, description="Synthetic training rows.")
-    num_eval_samples: int = Field(2048, ge=16, description="Held-out rows for evaluation.")
-    noise_std: float = Field(0.05, ge=0, description="Gaussian noise added to targets.")
-    batch_size: int = Field(64, ge=1, description="Rows per step on each rank.")
-    num_epochs: int = Field(5, ge=1, description="Passes over the training rows.")
-    max_steps: int | None = Field(
-        None, ge=1, description="Stop after this many steps (overrides num_epochs when sooner)."
-    )
-    learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate.")
-    seed: int = Field(0, description="Seed for data order, sampling and initial weights.")
-    log_every: int = Field(25, ge=1, description="Log the training loss every N steps.")
-    gpus: int = Field(2, ge=1, description="Number of ranks (GPUs, or CPU processes on CPU).")
-    gpu_type: str | None = Field(
-        None, description='GPU type such as "H100"; "cpu" forces CPU ranks; empty: what exists.'
-    )
-    timeout_s: float = Field(900, gt=0, description="Bound on the whole training launch.")
-    experiment_name: SafeName = Field("mlp", description="MLflow experiment.")
-    registered_model_name: SafeName = Field(
-        "mlp", description="MLflow registered model to add a version to (letters, digits, ._-)."
-    )
-    min_r2: float = Field(
-        0.5, description="Register only when held-out R^2 reaches this (the model learned)."
-    )
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="Process-group backend; auto is nccl on GPUs and gloo on CPU."
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> "MLPConfig":
-        if self.batch_size * self.gpus > self.num_train_samples:
-            raise ValueError(
-                f"batch_size={self.batch_size} x gpus={self.gpus} exceeds "
-                f"num_train_samples={self.num_train_samples}: no full step fits"
-            )
-        if self.backend == "nccl" and (self.gpu_type or "").lower() == "cpu":
-            raise ValueError("backend='nccl' needs GPU ranks, but gpu_type='cpu'")
-        return self
 
 
 def make_regression(
@@ -83,79 +40,93 @@ def make_regression(
     return x, y.unsqueeze(1)
 
 
-def train(config: MLPConfig, output_dir: str, mlflow_run_id: str | None = None) -> dict:
-    """Train with DDP on the current rank; rank 0 logs to MLflow and saves `model.pt`.
+def _batches(config: MLPConfig) -> Iterator[list[Batch]]:
+    """This rank's shard of the training rows, reshuffled each epoch, one micro-batch a step."""
+    x, y = make_regression(
+        config.num_train_samples, config.num_features, config.seed, config.noise_std
+    )
+    dataset = TensorDataset(x, y)
+    sampler: DistributedSampler = DistributedSampler(
+        dataset, shuffle=True, seed=config.seed, drop_last=True
+    )
+    loader = DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, drop_last=True)
+    for epoch in range(config.num_epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            yield [batch]
 
-    Returns this rank's summary: steps, final loss, samples seen.
-    """
-    backend = None if config.backend == "auto" else config.backend
-    with runtime.process_group(backend):
-        device = runtime.get_device()
-        torch.manual_seed(config.seed)
-        x, y = make_regression(
-            config.num_train_samples, config.num_features, config.seed, config.noise_std
-        )
-        dataset = TensorDataset(x, y)
-        sampler: DistributedSampler = DistributedSampler(
-            dataset, shuffle=True, seed=config.seed, drop_last=True
-        )
-        loader = DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, drop_last=True)
-        model = SimpleMLP(config.num_features, config.hidden_size).to(device)
-        ddp = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-        optimizer = torch.optim.Adam(ddp.parameters(), lr=config.learning_rate)
-        sink = metrics_sink(mlflow_run_id, runtime.is_rank_zero())
-        total = config.num_epochs * len(loader)
-        max_steps = min(total, config.max_steps or total)
-        print(
-            f"rank {runtime.get_global_rank()}/{runtime.get_world_size()} on {device}: "
-            f"{len(sampler)} rows, {len(loader)} steps per epoch, {max_steps} steps",
-            flush=True,
-        )
-        step, loss_value, seen = 0, float("nan"), 0
-        for epoch in range(config.num_epochs):
-            sampler.set_epoch(epoch)
-            for xb, yb in loader:
-                xb, yb = xb.to(device), yb.to(device)
-                loss = torch.nn.functional.mse_loss(ddp(xb), yb)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                step += 1
-                seen += len(xb)
-                if step % config.log_every == 0 or step == max_steps:
-                    reduced = loss.detach().clone()
-                    dist.all_reduce(reduced, op=dist.ReduceOp.AVG)
-                    loss_value = reduced.item()
-                    sink.log(step, {"train_loss": loss_value, "epoch": epoch})
-                    runtime.print0(f"step {step}/{max_steps} epoch {epoch} loss {loss_value:.4f}")
-                if step >= max_steps:
-                    break
-            if step >= max_steps:
-                break
-        sink.flush()
-        if runtime.is_rank_zero():
-            Path(output_dir).mkdir(parents=True, exist_ok=True)
-            torch.save(model.state_dict(), Path(output_dir) / "model.pt")
-        dist.barrier()
-        return {
-            "rank": runtime.get_global_rank(),
-            "steps": step,
-            "final_loss": loss_value,
-            "samples_seen": seen,
-        }
+
+def num_steps(config: MLPConfig, world_size: int) -> int:
+    """Steps of `num_epochs` full batches on every rank, capped by `max_steps`."""
+    per_rank = config.num_train_samples // world_size
+    total = config.num_epochs * (per_rank // config.batch_size)
+    return min(total, config.max_steps or total)
+
+
+def compute(model: nn.Module, batch: Batch) -> dict[str, Tensor]:
+    """Mean squared error of one micro-batch."""
+    x, y = batch
+    return {"loss": F.mse_loss(model(x), y)}
+
+
+def build_model(config: MLPConfig) -> SimpleMLP:
+    """The MLP described by `config`, freshly initialised."""
+    return SimpleMLP(config.num_features, config.hidden_size)
+
+
+def train(
+    config: MLPConfig,
+    strategy: Strategy,
+    *,
+    output_dir: str,
+    mlflow_run_id: str | None = None,
+    resume_from: str | None = None,
+) -> TrainResult:
+    """Train on this rank with `strategy` (DDP by default); export the weights as `model.pt`."""
+    if resume_from is not None:
+        raise ValueError("resume_from: the MLP workload writes no checkpoints to resume from")
+    world = runtime.get_world_size()
+    torch.manual_seed(config.seed)
+    strategy.wrap(
+        build_model(config),
+        config.optimizer,
+        micro_batch_size=config.batch_size,
+        grad_accum_steps=1,
+    )
+    steps = num_steps(config, world)
+    runtime.print0(f"{world} rank(s) on {strategy.device}: {steps} steps of {config.batch_size}")
+    batches = _batches(config)
+    fitted = fit(
+        strategy,
+        lambda _step: next(batches),
+        compute,
+        Schedule(steps, config.log_every, checkpoint_every=0),
+        metrics_sink(mlflow_run_id, runtime.is_rank_zero()),
+        Path(output_dir) / "checkpoints",
+        progress_file=Path(output_dir) / PROGRESS_FILE,
+    )
+    model_path = Path(output_dir).resolve() / "model.pt"
+    strategy.export(model_path)
+    return TrainResult(
+        technique=strategy.name,
+        world_size=world,
+        steps=fitted.steps,
+        metrics=fitted.last_metrics(),
+        history=fitted.history,
+        checkpoint_uri=None,
+        model_uri=model_path.as_uri(),
+    )
 
 
 def load_model(config: MLPConfig, model_path: str | Path) -> SimpleMLP:
     """Rebuild the model and load the trained weights with the safe loader."""
-    model = SimpleMLP(config.num_features, config.hidden_size)
+    model = build_model(config)
     model.load_state_dict(torch.load(model_path, map_location="cpu", weights_only=True))
     return model.eval()
 
 
 @torch.no_grad()
-def evaluate(config: MLPConfig, model: torch.nn.Module) -> dict[str, float]:
+def held_out_metrics(config: MLPConfig, model: torch.nn.Module) -> dict[str, float]:
     """Held-out MSE and R^2 (R^2 > 0 means better than predicting the mean)."""
     x, y = make_regression(
         config.num_eval_samples, config.num_features, config.seed + 10_000, config.noise_std
@@ -164,3 +135,17 @@ def evaluate(config: MLPConfig, model: torch.nn.Module) -> dict[str, float]:
     mse = torch.mean((pred - y) ** 2).item()
     variance = torch.var(y, unbiased=False).item()
     return {"eval_mse": mse, "eval_r2": 1.0 - mse / variance, "eval_baseline_mse": variance}
+
+
+def evaluate(config: MLPConfig, trained: TrainResult) -> Evaluation:
+    """Held-out metrics of the trained weights, which are kept for registration."""
+    model = load_model(config, local_path(trained.model_uri))
+    return Evaluation(held_out_metrics(config, model), model)
+
+
+def log_model(
+    config: MLPConfig, evaluation: Evaluation, run_id: str, name: str, tags: dict[str, str]
+) -> str:
+    """Log the trained `nn.Module` to the run and add a registry version."""
+    x, _ = make_regression(4, config.num_features, 0, 0.0)
+    return register_pytorch_model(run_id, evaluation.model, name, x.numpy(), tags)

@@ -12,206 +12,64 @@ reading the split whole keeps one owner of the partitioning (and exact epochs) a
 each rank holding the token ids in memory, which is small for instruction data.
 """
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 import datasets
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedModel, TrainerCallback
 
 from trainflow import runtime
-from trainflow.data import ChatTransform, DataConfig, PreparedDataset
-from trainflow.data.config import PRESETS_DIR as DATA_PRESETS_DIR
-from trainflow.data.config import REPO_ROOT, load_preset
+from trainflow.configs.sft import (
+    PRESETS_DIR,
+    SHIPPED_TOKENIZER,
+    EvaluationSettings,
+    LoraSettings,
+    SFTConfig,
+    SFTJob,
+    TrainingSettings,
+    is_tiny,
+    load_sft_preset,
+    sft_preset_names,
+)
+from trainflow.configs.sft import sft_gate_failures as gate_failures
 from trainflow.data.tokenizer import load_tokenizer
-from trainflow.models.causal_lm import build_causal_lm, is_tiny
-from trainflow.paths import SafeName
+from trainflow.models.causal_lm import build_causal_lm
 from trainflow.strategies import (
     DDPConfig,
     DeepSpeedConfig,
     FSDPConfig,
-    OptimizerConfig,
     Strategy,
     TechniqueConfig,
     deepspeed_json,
 )
-from trainflow.strategies.job import Resources, TrainResult
-from trainflow.tracking import MetricsSink, metrics_sink
+from trainflow.strategies.job import TrainResult
+from trainflow.tracking import (
+    PROGRESS_FILE,
+    MetricsSink,
+    ProgressFile,
+    metrics_sink,
+    register_transformers_model,
+)
+from trainflow.workloads import Evaluation
 
-PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets" / "sft"
-SHIPPED_TOKENIZER = str(REPO_ROOT / "data" / "tokenizer")
-PROGRESS_FILE = "progress.json"
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class LoraSettings(_Model):
-    """PEFT LoRA adapter settings (used with `lora: true`); merged into the model for export."""
-
-    r: int = Field(default=16, ge=1, description="Rank of the low-rank update.")
-    alpha: int = Field(default=32, ge=1, description="Scaling numerator (scale = alpha / r).")
-    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter input.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        description="Module names that get an adapter.",
-    )
-
-
-class TrainingSettings(_Model):
-    """Batches, optimizer and logging cadence of the Trainer."""
-
-    per_device_batch_size: int = Field(default=16, ge=1, description="Sequences per rank per step.")
-    grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
-    optimizer: OptimizerConfig = Field(
-        default_factory=OptimizerConfig, description="AdamW settings."
-    )
-    warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warm-up steps.")
-    lr_scheduler: str = Field(default="cosine", description="Trainer learning-rate schedule.")
-    logging_steps: int = Field(default=10, ge=1, description="Log training metrics every N steps.")
-    seed: int = Field(default=0, description="Seed of the initial weights and the data order.")
-
-
-class EvaluationSettings(_Model):
-    """Held-out evaluation of the trained model against the untrained one, and the gate."""
-
-    num_samples: int = Field(default=200, ge=1, description="Held-out conversations to score.")
-    batch_size: int = Field(default=32, ge=1, description="Conversations per forward pass.")
-    max_new_tokens: int = Field(default=16, ge=1, description="Longest generated answer.")
-    min_exact_match: float = Field(
-        default=0.0, ge=0, le=1, description="Gate: held-out exact match must reach this."
-    )
-    max_loss_ratio: float = Field(
-        default=0.9,
-        gt=0,
-        description="Gate: held-out loss must be at most this share of the untrained model's.",
-    )
-
-
-class SFTConfig(_Model):
-    """Everything the SFT pipeline needs; shown as the run form in the Prefect UI."""
-
-    model: str = Field(
-        default="tiny-llama",
-        description="A tiny offline architecture (tiny-llama, tiny-gpt-oss) or a Hugging Face "
-        "model id / local directory, e.g. meta-llama/Llama-3.2-1B-Instruct.",
-    )
-    tokenizer: str | None = Field(
-        default=None,
-        description="Tokenizer directory or Hub id; none: the shipped tokenizer for tiny models, "
-        "else the model's own.",
-    )
-    dataset: str = Field(
-        default="instructions",
-        description="A data preset (e.g. instructions) or a Hub chat dataset with a 'messages' "
-        "column, e.g. trl-lib/Capybara.",
-    )
-    max_length: int = Field(default=64, ge=8, description="Longest conversation in tokens.")
-    validation_fraction: float = Field(
-        default=0.05,
-        gt=0,
-        lt=1,
-        description="Held-out share of a Hub dataset's train split (presets set their own).",
-    )
-    lora: bool = Field(default=False, description="Train a LoRA adapter instead of all weights.")
-    lora_settings: LoraSettings = Field(
-        default_factory=LoraSettings, description="LoRA adapter settings."
-    )
-    max_steps: int = Field(default=300, ge=1, description="Optimizer steps.")
-    training: TrainingSettings = Field(
-        default_factory=TrainingSettings, description="Batches, optimizer, logging."
-    )
-    evaluation: EvaluationSettings = Field(
-        default_factory=EvaluationSettings, description="Held-out evaluation and the gate."
-    )
-    technique: TechniqueConfig = Field(
-        default_factory=DDPConfig,
-        description="Technique: ddp, fsdp or deepspeed, or a JSON object with its options.",
-    )
-    gpus: int = Field(default=2, ge=1, description="Ranks in total (GPUs, or CPU processes).")
-    gpu_type: str | None = Field(
-        default=None, description='GPU type such as "H100"; "cpu" forces CPU ranks.'
-    )
-    timeout_s: float = Field(default=3600, gt=0, description="Bound on the training launch.")
-    experiment_name: SafeName = Field(default="sft", description="MLflow experiment.")
-    registered_model_name: SafeName = Field(
-        default="sft", description="MLflow registered model to add a version to."
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> "SFTConfig":
-        self.technique.check_world_size(self.gpus)
-        if isinstance(self.technique, FSDPConfig) and self.technique.replicate_degree != 1:
-            raise ValueError(
-                "technique.replicate_degree: the Trainer's FSDP shards over all ranks; "
-                "use replicate_degree=1"
-            )
-        known = sorted(p.stem for p in DATA_PRESETS_DIR.glob("*.yaml"))
-        if self.dataset not in known and "/" not in self.dataset:
-            raise ValueError(
-                f"dataset {self.dataset!r} is neither a data preset {known} nor a Hub id "
-                "(owner/name)"
-            )
-        return self
-
-    def resources(self) -> Resources:
-        """Where the ranks run."""
-        return Resources(gpus=self.gpus, gpu_type=self.gpu_type, timeout_s=self.timeout_s)
-
-    def tokenizer_path(self) -> str:
-        """The tokenizer to use: given, the shipped one for tiny models, else the model's."""
-        if self.tokenizer is not None:
-            return self.tokenizer
-        return SHIPPED_TOKENIZER if is_tiny(self.model) else self.model
-
-    def data_config(self) -> DataConfig:
-        """The dataset to prepare: chat turns -> tokens with an answer-only loss mask."""
-        if (DATA_PRESETS_DIR / f"{self.dataset}.yaml").is_file():
-            data = load_preset(self.dataset)
-            if not isinstance(data.transform, ChatTransform):
-                raise ValueError(f"dataset {self.dataset!r} is not chat data")
-            transform = data.transform.model_copy(
-                update={"tokenizer": self.tokenizer_path(), "max_length": self.max_length}
-            )
-            return data.model_copy(update={"transform": transform})
-        return DataConfig.model_validate(
-            {
-                "name": self.dataset.replace("/", "--"),
-                "source": {"kind": "hub", "name": self.dataset},
-                "splits": ["train"],
-                "validation": {"fraction": self.validation_fraction},
-                "transform": {
-                    "name": "chat",
-                    "tokenizer": self.tokenizer_path(),
-                    "max_length": self.max_length,
-                },
-            }
-        )
-
-
-def sft_preset_names() -> list[str]:
-    """Names of the shipped presets under `trainflow/presets/sft/`."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
-
-
-def load_sft_preset(name: str) -> SFTConfig:
-    """A shipped preset (YAML under `trainflow/presets/sft/`), e.g. 'debug_cpu'."""
-    path = PRESETS_DIR / f"{name}.yaml"
-    if not path.is_file():
-        raise ValueError(f"unknown sft preset {name!r}; known presets: {sft_preset_names()}")
-    return SFTConfig.model_validate(yaml.safe_load(path.read_text()))
-
-
-class SFTJob(_Model):
-    """What each rank needs: the config and the prepared dataset to read."""
-
-    config: SFTConfig = Field(description="The pipeline's config.")
-    data: PreparedDataset = Field(description="Prepared MDS dataset (train and validation).")
+__all__ = [
+    "PRESETS_DIR",
+    "SHIPPED_TOKENIZER",
+    "EvaluationSettings",
+    "LoraSettings",
+    "SFTConfig",
+    "SFTJob",
+    "TrainingSettings",
+    "build_model",
+    "evaluate",
+    "gate_failures",
+    "load_sft_preset",
+    "log_model",
+    "sft_preset_names",
+    "train",
+]
 
 
 def build_model(job: SFTJob) -> PreTrainedModel:
@@ -263,31 +121,24 @@ class ProgressCallback(TrainerCallback):
 
     def __init__(self, sink: MetricsSink, output_dir: Path, max_steps: int) -> None:
         self.sink = sink
-        self.progress = output_dir / PROGRESS_FILE if runtime.is_rank_zero() else None
-        self.max_steps = max_steps
+        path = output_dir / PROGRESS_FILE if runtime.is_rank_zero() else None
+        self.progress = ProgressFile(path, max_steps)
         self.history: dict[int, dict[str, float]] = {}
         self.logging_s = 0.0
-
-    def _write_progress(self, step: int) -> None:
-        if self.progress is None:
-            return
-        tmp = self.progress.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step, "max_steps": self.max_steps}))
-        tmp.replace(self.progress)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         started = time.perf_counter()
         numbers = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, int | float)}
         if "loss" in numbers:  # a training log, not the end-of-training summary
-            metrics = {f"train_{k}": v for k, v in numbers.items() if k != "epoch"}
+            metrics = {k: v for k, v in numbers.items() if k != "epoch"}
             self.history[state.global_step] = metrics
-            self.sink.log(state.global_step, metrics)
-            self._write_progress(state.global_step)
+            self.sink.log(state.global_step, {f"train_{k}": v for k, v in metrics.items()})
+            self.progress.update(state.global_step)
         self.logging_s += time.perf_counter() - started
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.sink.flush()
-        self._write_progress(state.global_step)
+        self.progress.update(state.global_step)
 
 
 def technique_arguments(
@@ -506,13 +357,13 @@ def train(
     summary.pop("train_loss", None)  # the run's mean; the last logged loss says more
     summary["train_logging_s"] = callback.logging_s
     summary["train_data_wait_s"] = trainer.data_wait_s
-    if "train_num_tokens" in last:
-        summary["train_tokens_per_s"] = last["train_num_tokens"] / summary["train_runtime"]
+    if "num_tokens" in last:
+        summary["train_tokens_per_s"] = last["num_tokens"] / summary["train_runtime"]
     return TrainResult(
         technique=strategy.name,
         world_size=runtime.get_world_size(),
         steps=output.global_step,
-        metrics=last | summary,
+        metrics={f"train_{k}": v for k, v in last.items()} | summary,
         history=callback.history,
         checkpoint_uri=None,
         model_uri=trained_model_dir(out).resolve().as_uri(),
@@ -542,17 +393,23 @@ def load_model(config: SFTConfig, output_dir: str | Path, *, trained: bool) -> P
     return model.eval()
 
 
-def evaluate(config: SFTConfig, data: PreparedDataset, output_dir: str | Path) -> dict[str, float]:
-    """Held-out metrics of the trained model (`eval_*`) and of the untrained one (`untrained_*`)."""
+def evaluate(job: SFTJob, trained: TrainResult) -> Evaluation:
+    """Held-out metrics of the trained model (`eval_*`) and of the untrained one (`untrained_*`).
+
+    The trained model is loaded once here and kept in the result for registration.
+    """
     from trainflow.evaluation import evaluate_causal_lm
 
+    config, output_dir = job.config, Path(trained.model_uri.removeprefix("file://")).parent
     tokenizer = load_tokenizer(config.tokenizer_path())
-    held_out = read_split(data.uri, "validation", config.evaluation.num_samples)
+    held_out = read_split(job.data.uri, "validation", config.evaluation.num_samples)
     e = config.evaluation
     metrics: dict[str, float] = {}
-    for prefix, trained in (("untrained", False), ("eval", True)):
+    model = None
+    for prefix, is_trained in (("untrained", False), ("eval", True)):
+        model = load_model(config, output_dir, trained=is_trained)
         scores = evaluate_causal_lm(
-            load_model(config, output_dir, trained=trained),
+            model,
             tokenizer,
             held_out["input_ids"],
             held_out["assistant_masks"],
@@ -561,64 +418,23 @@ def evaluate(config: SFTConfig, data: PreparedDataset, output_dir: str | Path) -
         )
         metrics |= {k.replace("eval", prefix, 1): v for k, v in scores.items()}
     metrics["eval_loss_ratio"] = metrics["eval_loss"] / metrics["untrained_loss"]
-    return metrics
+    return Evaluation(metrics, model)
 
 
-def gate_failures(settings: EvaluationSettings, metrics: dict[str, float]) -> list[str]:
-    """Why the trained model is not a champion; empty when it passes the gate."""
-    failures = []
-    if metrics["eval_exact_match"] < settings.min_exact_match:
-        failures.append(
-            f"eval_exact_match={metrics['eval_exact_match']:.3f} < "
-            f"evaluation.min_exact_match={settings.min_exact_match}"
-        )
-    if metrics["eval_loss_ratio"] > settings.max_loss_ratio:
-        failures.append(
-            f"eval_loss_ratio={metrics['eval_loss_ratio']:.3f} > "
-            f"evaluation.max_loss_ratio={settings.max_loss_ratio}"
-        )
-    return failures
+def log_model(
+    job: SFTJob, evaluation: Evaluation, run_id: str, name: str, tags: dict[str, str]
+) -> str:
+    """Log the trained model (LoRA merged) with `mlflow.transformers` and register it."""
+    config = job.config
+    tokenizer = load_tokenizer(config.tokenizer_path())
+    prompt = prompt_example(job)
+    return register_transformers_model(run_id, evaluation.model, tokenizer, name, prompt, tags)
 
 
-def prompt_example(config: SFTConfig, data: PreparedDataset) -> str:
+def prompt_example(job: SFTJob) -> str:
     """The first held-out prompt as text (the registered model's input example)."""
     from trainflow.evaluation import split_prompt_answer
 
-    row = read_split(data.uri, "validation", 1)
+    row = read_split(job.data.uri, "validation", 1)
     prompt, _ = split_prompt_answer(row["input_ids"][0], row["assistant_masks"][0])
-    return load_tokenizer(config.tokenizer_path()).decode(prompt)
-
-
-def plot_loss_curve(history: dict[int, dict[str, float]], path: Path) -> Path:
-    """Training loss by step as a PNG at `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    steps = sorted(s for s in history if "train_loss" in history[s])
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [history[s]["train_loss"] for s in steps], marker=".")
-    ax.set(xlabel="step", ylabel="training loss (answer tokens)", title="SFT loss")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def code_version() -> str:
-    """The checkout's commit (`git describe --always --dirty`), or 'unknown' outside git."""
-    import subprocess
-
-    try:
-        return subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    return load_tokenizer(job.config.tokenizer_path()).decode(prompt)

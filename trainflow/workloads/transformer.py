@@ -11,124 +11,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 from trainflow import checkpoint, runtime
+from trainflow.configs.transformer import TransformerConfig
 from trainflow.models.transformer import TransformerClassifier
-from trainflow.paths import SafeName
-from trainflow.strategies import FSDPConfig, OptimizerConfig, Strategy, TechniqueConfig
-from trainflow.strategies.job import Resources, TrainResult
+from trainflow.strategies.base import Strategy
+from trainflow.strategies.job import TrainResult, local_path
 from trainflow.strategies.loop import Batch, Schedule, fit
-from trainflow.tracking import metrics_sink
+from trainflow.tracking import PROGRESS_FILE, metrics_sink, register_pytorch_model
+from trainflow.workloads import Evaluation
 
 # The classes' key tokens come from a fixed seed: training and held-out data always agree.
 _TRUTH_SEED = 4321
-
-
-class ModelConfig(BaseModel):
-    """Transformer shape; the defaults give about 10M parameters."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    vocab_size: int = Field(default=1024, ge=2, description="Token vocabulary size.")
-    seq_len: int = Field(default=32, ge=1, description="Tokens per sequence.")
-    d_model: int = Field(default=256, ge=1, description="Width of the residual stream.")
-    num_heads: int = Field(default=8, ge=1, description="Attention heads (must divide d_model).")
-    num_layers: int = Field(default=12, ge=1, description="Transformer blocks.")
-    d_ff: int = Field(default=1024, ge=1, description="Hidden width of each block's MLP.")
-    num_classes: int = Field(default=4, ge=2, description="Classes to predict.")
-
-    @model_validator(mode="after")
-    def _check(self) -> "ModelConfig":
-        if self.d_model % self.num_heads:
-            raise ValueError(
-                f"model.num_heads={self.num_heads} must divide model.d_model={self.d_model}"
-            )
-        return self
-
-
-class SyntheticDataConfig(BaseModel):
-    """The synthetic classification task."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    num_key_tokens: int = Field(default=8, ge=1, description="Key tokens per class.")
-    signal: float = Field(
-        default=0.25,
-        gt=0,
-        le=1,
-        description="Share of a sequence's tokens drawn from its class's keys.",
-    )
-    num_eval_samples: int = Field(
-        default=1024, ge=1, description="Held-out sequences for evaluation."
-    )
-
-
-class TrainingConfig(BaseModel):
-    """Steps, batches, optimizer and cadence."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    num_steps: int = Field(default=60, ge=1, description="Optimizer steps.")
-    global_batch_size: int = Field(
-        default=16,
-        ge=1,
-        description="Sequences per optimizer step over all ranks and micro-batches.",
-    )
-    grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
-    optimizer: OptimizerConfig = Field(
-        default_factory=OptimizerConfig, description="AdamW settings."
-    )
-    log_every: int = Field(default=5, ge=1, description="Log loss and accuracy every N steps.")
-    checkpoint_every: int = Field(
-        default=20, ge=0, description="Checkpoint every N steps and at the end; 0 disables."
-    )
-    seed: int = Field(default=0, description="Seed for the initial weights and the data.")
-
-    def micro_batch_size(self, world_size: int) -> int:
-        """Sequences per rank per micro-batch; raise if the global batch does not split."""
-        split = world_size * self.grad_accum_steps
-        if self.global_batch_size % split:
-            raise ValueError(
-                f"training.global_batch_size={self.global_batch_size} must be divisible by "
-                f"{world_size} ranks x training.grad_accum_steps={self.grad_accum_steps}"
-            )
-        return self.global_batch_size // split
-
-
-class TransformerConfig(BaseModel):
-    """Everything the transformer pipeline needs; shown as the run form in the Prefect UI."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Transformer shape.")
-    data: SyntheticDataConfig = Field(
-        default_factory=SyntheticDataConfig, description="Synthetic task."
-    )
-    training: TrainingConfig = Field(
-        default_factory=TrainingConfig, description="Steps, batches, optimizer."
-    )
-    technique: TechniqueConfig = Field(
-        default_factory=FSDPConfig,
-        description="Technique: ddp, fsdp or deepspeed, or a JSON object with its options, "
-        'e.g. {"name": "deepspeed", "zero_stage": 3}.',
-    )
-    resources: Resources = Field(default_factory=Resources, description="Ranks, where they run.")
-    experiment_name: SafeName = Field(default="transformer", description="MLflow experiment.")
-    registered_model_name: SafeName = Field(
-        default="transformer",
-        description="MLflow registered model to add a version to (letters, digits, ._-).",
-    )
-    min_eval_accuracy: float = Field(
-        default=0.5, ge=0, le=1, description="Register only when held-out accuracy reaches this."
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> "TransformerConfig":
-        self.training.micro_batch_size(self.resources.gpus)
-        self.technique.check_world_size(self.resources.gpus)
-        return self
 
 
 def build_model(config: TransformerConfig) -> TransformerClassifier:
@@ -215,6 +110,7 @@ def train(
         metrics_sink(mlflow_run_id, runtime.is_rank_zero()),
         Path(output_dir) / "checkpoints",
         start_step=start,
+        progress_file=Path(output_dir) / PROGRESS_FILE,
     )
     model_path = Path(output_dir).resolve() / "model.pt"
     strategy.export(model_path)
@@ -223,7 +119,7 @@ def train(
         technique=strategy.name,
         world_size=world,
         steps=fitted.steps,
-        metrics=fitted.history[max(fitted.history)] if fitted.history else {},
+        metrics=fitted.last_metrics(),
         history=fitted.history,
         checkpoint_uri=last.resolve().as_uri() if last else None,
         model_uri=model_path.as_uri(),
@@ -238,8 +134,26 @@ def load_model(config: TransformerConfig, model_path: str | Path) -> Transformer
 
 
 @torch.no_grad()
-def evaluate(config: TransformerConfig, model: nn.Module) -> dict[str, float]:
+def held_out_metrics(config: TransformerConfig, model: nn.Module) -> dict[str, float]:
     """Held-out loss and accuracy (chance is 1/num_classes)."""
     tokens, labels = make_samples(config, config.data.num_eval_samples, seed=-1)
     metrics = compute(model, (tokens, labels))
     return {f"eval_{k}": v.item() for k, v in metrics.items()}
+
+
+def evaluate(config: TransformerConfig, trained: TrainResult) -> Evaluation:
+    """Held-out metrics of the exported weights, which are kept for registration."""
+    model = load_model(config, local_path(trained.model_uri))
+    return Evaluation(held_out_metrics(config, model), model)
+
+
+def log_model(
+    config: TransformerConfig,
+    evaluation: Evaluation,
+    run_id: str,
+    name: str,
+    tags: dict[str, str],
+) -> str:
+    """Log the trained `nn.Module` to the run and add a registry version."""
+    tokens, _ = make_samples(config, 2, seed=0)
+    return register_pytorch_model(run_id, evaluation.model, name, tokens.numpy(), tags)

@@ -1,0 +1,266 @@
+"""The pipeline skeleton every flow is made of: tracked run -> train -> evaluate -> register.
+
+    with tracked_run(WORKLOADS["mlp"], config) as run:      # MLflow run, lineage, output folder
+        trained = train(run, config)                         # the technique's subflow
+        evaluation = evaluate(run, config, trained)          # held-out metrics
+        version = register(run, config, evaluation, trained) # gate, then version (and alias)
+    return finish(run, config, trained, evaluation, version)
+
+A failed, timed-out or cancelled step leaves the MLflow run FAILED or KILLED and registers
+nothing (`trainflow.tracking.pipeline_run`).
+"""
+
+import base64
+import contextlib
+import contextvars
+import io
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from prefect import task
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field
+
+from flows.techniques import techniques
+from tasks.reporting import publish_summary
+from trainflow import tracking
+from trainflow.gate import gate_failures
+from trainflow.paths import trainflow_home
+from trainflow.strategies.job import TrainResult, Workload
+from trainflow.workloads import Evaluation, WorkloadSpec
+
+R = TypeVar("R", bound="PipelineResult")
+
+
+class PipelineResult(BaseModel):
+    """What a pipeline run produced: where things are, the model version, the metrics."""
+
+    mlflow_run_id: str = Field(description="MLflow run holding params, metrics and the model.")
+    technique: str = Field(description="Technique that trained the model.")
+    registered_model_name: str = Field(description="MLflow registered model name.")
+    model_version: str | None = Field(description="Registered version; None if not registered.")
+    champion: bool = Field(description="Whether the model passed the gate.")
+    alias: str | None = Field(description="Alias the version was given (e.g. champion).")
+    prefect_flow_run_id: str = Field(description="This pipeline's Prefect flow run.")
+    checkpoint_uri: str | None = Field(description="Last training checkpoint, if any.")
+    metrics: dict[str, float] = Field(description="Training and held-out metrics.")
+    tracking_uri: str = Field(description="MLflow store the run was logged to.")
+
+
+@dataclass
+class TrackedRun:
+    """One pipeline run: its workload, MLflow run, lineage tags and output folder."""
+
+    workload: WorkloadSpec
+    run_id: str
+    output_dir: Path
+    lineage: dict[str, str]
+    job: Any = None
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.workload.name
+
+
+@contextlib.contextmanager
+def tracked_run(
+    workload: WorkloadSpec, config: Any, lineage: Mapping[str, str] | None = None
+) -> Iterator[TrackedRun]:
+    """Open the pipeline's MLflow run (config as params, lineage as tags) and output folder.
+
+    Args:
+        workload: The registered workload the pipeline runs.
+        config: The pipeline's config (has `technique` and `experiment_name`).
+        lineage: Extra lineage tags (dataset, base model, ...), also put on the model version.
+    """
+    technique = config.technique.name
+    tags = {
+        "technique": technique,
+        "prefect_flow_run_id": str(flow_run.get_id()),
+        "code_version": tracking.code_version(),
+        **(lineage or {}),
+    }
+    with tracking.pipeline_run(
+        config.experiment_name,
+        run_name=f"{workload.name}-{technique}-{flow_run.get_name() or 'local'}",
+        params=config.model_dump(),
+        tags=tags,
+    ) as run_id:
+        output_dir = trainflow_home() / "outputs" / workload.name / run_id
+        output_dir.mkdir(parents=True, exist_ok=True)
+        yield TrackedRun(workload, run_id, output_dir, tags)
+
+
+def train(run: TrackedRun, config: Any, job: Any = None) -> TrainResult:
+    """Train on the config's ranks with its technique's subflow; show progress and the loss.
+
+    Args:
+        run: The tracked run.
+        config: The pipeline's config (technique, resources).
+        job: What the ranks receive when more than the config (the SFT job adds its data).
+    """
+    run.job = config if job is None else job
+    workload = Workload(
+        train_fn=run.workload.ref("train"),
+        model_fn=run.workload.ref("build_model"),
+        config=run.job,
+        output_dir=str(run.output_dir),
+        framework=run.workload.framework,
+        backend=getattr(config, "backend", "auto"),
+        mlflow_run_id=run.run_id,
+    )
+    with _progress(run):
+        trained: TrainResult = techniques[config.technique.name](
+            workload=workload, technique=config.technique, resources=config.resources
+        )
+    publish_loss_curve(run.name, run.run_id, trained.history)
+    return trained
+
+
+@task(name="evaluate", task_run_name="evaluate-{run.name}", cache_policy=NO_CACHE)
+def evaluate(run: TrackedRun, trained: TrainResult) -> Evaluation:
+    """Held-out metrics of the trained model, logged to the run."""
+    evaluation: Evaluation = run.workload.load().evaluate(run.job, trained)
+    tracking.log_metrics(run.run_id, evaluation.metrics)
+    return evaluation
+
+
+def register(
+    run: TrackedRun, config: Any, evaluation: Evaluation, trained: TrainResult
+) -> str | None:
+    """Check the gate, then log and register the model; returns the version (None: refused).
+
+    A workload without an alias registers only a model that passes the gate; one with an
+    alias (SFT's `champion`) registers every finished run and moves the alias only past it.
+    """
+    run.failures = gate_failures(config.gate(), evaluation.metrics)
+    alias = run.workload.alias
+    for failure in run.failures:
+        outcome = f"no {alias} alias" if alias else "not registered"
+        print(f"gate not passed: {failure}; {outcome}")
+    if run.failures and alias is None:
+        return None
+    tags = run.lineage | {
+        "mlflow_run_id": run.run_id,
+        "world_size": str(trained.world_size),
+        "checkpoint_uri": trained.checkpoint_uri or "",
+    }
+    alias_to_set = alias if not run.failures else None
+    return _register_model(run, config.registered_model_name, evaluation, tags, alias_to_set)
+
+
+@task(name="register-model", cache_policy=NO_CACHE)
+def _register_model(
+    run: TrackedRun,
+    name: str,
+    evaluation: Evaluation,
+    tags: dict[str, str],
+    alias: str | None,
+) -> str:
+    """Log the model to the run, add a registry version with `tags`, point `alias` at it."""
+    version: str = run.workload.load().log_model(run.job, evaluation, run.run_id, name, tags)
+    if alias:
+        tracking.set_alias(name, version, alias)
+    return version
+
+
+def finish(
+    run: TrackedRun,
+    config: Any,
+    trained: TrainResult,
+    evaluation: Evaluation,
+    version: str | None,
+    result_type: type[R] = PipelineResult,  # type: ignore[assignment]
+    **extra: Any,
+) -> R:
+    """Publish the run's summary artifact and return the pipeline's result."""
+    metrics = trained.metrics | evaluation.metrics
+    model = f"{config.registered_model_name} v{version}" if version else "not registered"
+    if version and run.workload.alias:
+        model += f" ({run.workload.alias})" if not run.failures else " (gate not passed: no alias)"
+    publish_summary(
+        f"{run.name}-summary",
+        title=f"{run.name} pipeline",
+        config=config.model_dump(),
+        metrics=metrics,
+        model=model,
+        mlflow_run_id=run.run_id,
+    )
+    return result_type(
+        mlflow_run_id=run.run_id,
+        technique=config.technique.name,
+        registered_model_name=config.registered_model_name,
+        model_version=version,
+        champion=version is not None and not run.failures,
+        alias=run.workload.alias if version is not None and not run.failures else None,
+        prefect_flow_run_id=run.lineage["prefect_flow_run_id"],
+        checkpoint_uri=trained.checkpoint_uri,
+        metrics=metrics,
+        tracking_uri=tracking.tracking_uri(),
+        **extra,
+    )
+
+
+@task(name="publish-loss-curve", cache_policy=NO_CACHE)
+def publish_loss_curve(name: str, run_id: str, history: dict[int, dict[str, float]]) -> str:
+    """Plot the training loss, attach it to the MLflow run and show it in Prefect."""
+    from trainflow.plots import loss_curve
+
+    figure = loss_curve(history, f"{name}: training loss")
+    tracking.log_figure(run_id, figure, "loss_curve.png")
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
+    encoded = base64.b64encode(png.getvalue()).decode()
+    return str(
+        create_markdown_artifact(
+            key=f"{name}-loss-curve",
+            markdown=f"# {name} training loss\n\n![loss curve](data:image/png;base64,{encoded})\n",
+            description="Training loss by step",
+        )
+    )
+
+
+@contextlib.contextmanager
+def _progress(run: TrackedRun, poll_s: float = 2.0) -> Iterator[None]:
+    """A progress artifact that follows rank 0's progress file while training runs.
+
+    Ranks never talk to Prefect: rank 0 writes the file and this thread forwards it.
+    """
+    artifact_id = create_progress_artifact(
+        progress=0.0, key=f"{run.name}-progress", description="Training steps done (%)"
+    )
+    progress_file = run.output_dir / tracking.PROGRESS_FILE
+    stop = threading.Event()
+
+    def forward() -> None:
+        last: float | None = None
+        while not stop.wait(poll_s):
+            done = tracking.read_progress(progress_file)
+            if done is not None and done != last:
+                update_progress_artifact(artifact_id, done)
+                last = done
+
+    # The thread runs in this flow's context: same Prefect settings and client as the flow.
+    context = contextvars.copy_context()
+    thread = threading.Thread(
+        target=context.run, args=(forward,), name=f"{run.name}-progress", daemon=True
+    )
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        done = tracking.read_progress(progress_file)
+        if done is not None:
+            update_progress_artifact(artifact_id, done)
