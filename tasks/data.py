@@ -4,6 +4,10 @@ The cache key is the dataset's URI, which already encodes the source's content, 
 tokenizer's content and every option (`trainflow.data.dataset_uri`); results are persisted, so
 a re-run anywhere that shares the result store is a `Cached` state that does no work. If the
 published dataset was deleted since, the record is refreshed instead of returned.
+
+The content fingerprint reads every source and tokenizer file, so `prepare_dataset` computes it
+once and hands it to the lookup, the cache key and the build. `trainflow.data.prepare` (which
+imports `datasets` and torch) is imported when the task runs, not when a flow module is.
 """
 
 import hashlib
@@ -15,12 +19,13 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.context import TaskRunContext
 from prefect.states import State
 
-from trainflow.data import DataConfig, DataError, PreparedDataset, dataset_uri, find_published
-from trainflow.data import prepare_dataset as build_dataset
+from trainflow.data import DataConfig, DataError, PreparedDataset
 
 
 def _dataset_key(_: TaskRunContext, parameters: dict[str, Any]) -> str:
-    uri = dataset_uri(parameters["config"])
+    from trainflow.data.prepare import dataset_uri
+
+    uri = dataset_uri(parameters["config"], parameters.get("fingerprint"))
     return "trainflow-dataset-" + hashlib.sha256(uri.encode()).hexdigest()
 
 
@@ -42,8 +47,10 @@ def _retry_unless_bad_input(_task: Task, _run: TaskRun, state: State) -> bool:
     retries=1,
     retry_condition_fn=_retry_unless_bad_input,
 )
-def _prepare_dataset(config: DataConfig) -> PreparedDataset:
-    result = build_dataset(config)
+def _prepare_dataset(config: DataConfig, fingerprint: str | None = None) -> PreparedDataset:
+    from trainflow.data.prepare import prepare_dataset as build_dataset
+
+    result = build_dataset(config, fingerprint)
     logger = get_run_logger()
     if result.cache_hit:
         logger.info("cache hit: %s was already published; nothing to do", result.uri)
@@ -63,9 +70,12 @@ def prepare_dataset(config: DataConfig) -> PreparedDataset:
     Returns:
         The published dataset (URI, per-split counts, columns, bytes).
     """
-    published = find_published(config)
+    from trainflow.data.prepare import dataset_fingerprint, find_published
+
+    fingerprint = dataset_fingerprint(config)
+    published = find_published(config, fingerprint)
     state = _prepare_dataset.with_options(refresh_cache=published is None)(
-        config, return_state=True
+        config, fingerprint, return_state=True
     )
     result = state.result()
     if state.name == "Cached":

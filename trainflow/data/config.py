@@ -10,9 +10,6 @@ from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from streaming.base.compression import is_compression
-from streaming.base.hashing import get_hashes
-from streaming.base.util import bytes_to_int
 
 from trainflow.paths import safe_name
 
@@ -20,6 +17,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESETS_DIR = Path(__file__).with_name("presets")
 
 FORMATS_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+# Write options that streaming's own checks accept (a test holds them to that). Only other
+# values import streaming to be checked: importing it imports torch, and flow modules validate
+# their default configs at import time, which must stay fast.
+KNOWN_COMPRESSIONS = frozenset({"zstd"})
+KNOWN_SHARD_SIZES = frozenset({"1mb", "32mb"})
+KNOWN_HASHES = frozenset({"sha1"})
 
 ScalarType = Literal[
     "int8",
@@ -202,13 +206,21 @@ class DataConfig(_Model):
     @field_validator("compression")
     @classmethod
     def _known_compression(cls, compression: str | None) -> str | None:
-        if compression is not None and not is_compression(compression):
+        if compression is None or compression in KNOWN_COMPRESSIONS:
+            return compression
+        from streaming.base.compression import is_compression
+
+        if not is_compression(compression):
             raise ValueError(f"compression {compression!r} is not one streaming supports")
         return compression
 
     @field_validator("shard_size")
     @classmethod
     def _parse_shard_size(cls, shard_size: str) -> str:
+        if shard_size in KNOWN_SHARD_SIZES:
+            return shard_size
+        from streaming.base.util import bytes_to_int
+
         try:
             size = bytes_to_int(shard_size)
         except ValueError as err:
@@ -220,9 +232,12 @@ class DataConfig(_Model):
     @field_validator("hashes")
     @classmethod
     def _known_hashes(cls, hashes: list[str]) -> list[str]:
-        unknown = sorted(set(hashes) - set(get_hashes()))
-        if unknown:
-            raise ValueError(f"hashes: unknown algorithm(s) {unknown}")
+        if not KNOWN_HASHES.issuperset(hashes):
+            from streaming.base.hashing import get_hashes
+
+            unknown = sorted(set(hashes) - get_hashes())
+            if unknown:
+                raise ValueError(f"hashes: unknown algorithm(s) {unknown}")
         return sorted(set(hashes))
 
     @model_validator(mode="after")
@@ -292,6 +307,11 @@ class PreparedDataset(_Model):
     columns: dict[str, str] = Field(description="Column name -> MDS type.")
     num_bytes: int = Field(description="Total bytes of all splits.")
     cache_hit: bool = Field(False, description="True when an earlier run had already published it.")
+
+
+def preset_names() -> list[str]:
+    """Names of the shipped data presets under `trainflow/data/presets/`."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
 
 
 def load_preset(name: str) -> DataConfig:

@@ -59,9 +59,15 @@ def dataset_uri(config: DataConfig, fingerprint: str | None = None) -> str:
     return join_uri(output_root(config), f"{config.name}-{fingerprint[:16]}")
 
 
-def find_published(config: DataConfig) -> PreparedDataset | None:
-    """The already published dataset for `config`, or None."""
-    fingerprint = dataset_fingerprint(config)
+def find_published(config: DataConfig, fingerprint: str | None = None) -> PreparedDataset | None:
+    """The already published dataset for `config`, or None.
+
+    Args:
+        config: What to look for.
+        fingerprint: `dataset_fingerprint(config)` if the caller has it (hashing the source
+            and tokenizer again costs a read of every file); None computes it.
+    """
+    fingerprint = fingerprint or dataset_fingerprint(config)
     uri = dataset_uri(config, fingerprint)
     manifest = read_manifest(uri)
     if manifest is None or manifest.get("fingerprint") != fingerprint:
@@ -101,7 +107,7 @@ def _split_bytes(split_dir: Path) -> int:
     return data + (split_dir / "index.json").stat().st_size
 
 
-def prepare_dataset(config: DataConfig) -> PreparedDataset:
+def prepare_dataset(config: DataConfig, fingerprint: str | None = None) -> PreparedDataset:
     """Build and publish the MDS dataset for `config`, or return the published one.
 
     All splits are loaded and transformed before any shard is written, so bad input fails
@@ -109,6 +115,7 @@ def prepare_dataset(config: DataConfig) -> PreparedDataset:
 
     Args:
         config: What to prepare.
+        fingerprint: `dataset_fingerprint(config)` if the caller has it; None computes it.
 
     Returns:
         The published dataset's URI, per-split counts and sizes, and column types;
@@ -120,7 +127,7 @@ def prepare_dataset(config: DataConfig) -> PreparedDataset:
     """
     root = output_root(config)
     check_writable(root)
-    fingerprint = dataset_fingerprint(config)
+    fingerprint = fingerprint or dataset_fingerprint(config)
     uri = dataset_uri(config, fingerprint)
     manifest = read_manifest(uri)
     if manifest is not None and manifest.get("fingerprint") == fingerprint:

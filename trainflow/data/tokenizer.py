@@ -6,6 +6,8 @@ are wrapped in `{% generation %}` markers (so TRL's `assistant_only_loss` also w
 messages).
 """
 
+import copy
+import functools
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,6 +39,10 @@ def load_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """Load a fast tokenizer from a local directory or a Hub model id.
 
+    A run loads the same tokenizer several times, so each process parses it once (per local
+    directory and the size and mtime of its files, so an edited tokenizer is read again; per id
+    for the Hub) and every call returns its own copy, which the caller may change freely.
+
     Args:
         name_or_path: Local tokenizer directory or Hub id.
         need_chat_template: Raise if the tokenizer has no chat template.
@@ -48,8 +54,12 @@ def load_tokenizer(
         DataError: If it cannot be loaded, is not a fast tokenizer, or lacks a needed chat
             template. The message names the tokenizer.
     """
+    path = Path(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        if path.is_dir():
+            tokenizer = _parsed_tokenizer(str(path.resolve()), _directory_stamp(path))
+        else:
+            tokenizer = _parsed_tokenizer(name_or_path, ())
     except Exception as err:  # transformers raises OSError, ValueError, HF hub errors...
         raise DataError(f"tokenizer {name_or_path!r} could not be loaded: {err}") from err
     if not tokenizer.is_fast:
@@ -59,7 +69,23 @@ def load_tokenizer(
             f"tokenizer {name_or_path!r} has no chat template; the 'chat' transform needs one "
             "(use a chat/instruct tokenizer or the 'text' transform)"
         )
-    return tokenizer
+    return copy.deepcopy(tokenizer)
+
+
+def _directory_stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """Each file's relative path, size and mtime: changes whenever the tokenizer is edited."""
+    stats = sorted(
+        (p.relative_to(path).as_posix(), p.stat()) for p in path.rglob("*") if p.is_file()
+    )
+    return tuple((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_tokenizer(
+    name_or_path: str, _stamp: tuple[tuple[str, int, int], ...]
+) -> PreTrainedTokenizerBase:
+    """The parsed tokenizer, shared within the process: `load_tokenizer` hands out copies."""
+    return AutoTokenizer.from_pretrained(name_or_path)
 
 
 def tokenizer_fingerprint(name_or_path: str) -> str:

@@ -1,0 +1,56 @@
+"""Data configs, `trainflow.data` and `trainflow.paths` import without torch or the data stack.
+
+Flow modules validate their default configs when they are imported (`--help`, deployments,
+Prefect's parameter checks), so these must not pay for torch, `streaming` or `transformers`.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.unit.conftest_data import REPO_ROOT
+from trainflow.data import config
+
+HEAVY = ("torch", "streaming", "datasets", "transformers", "trl")
+
+
+def test_configs_import_and_validate_without_heavy_modules():
+    code = (
+        "import sys\n"
+        "import trainflow.data.config, trainflow.data, trainflow.paths\n"
+        "assert trainflow.data.DataConfig is trainflow.data.config.DataConfig\n"
+        "preset = trainflow.data.load_preset('instructions')\n"
+        "print(preset.compression, preset.shard_size, preset.hashes)\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT
+    )
+    validated, loaded = out.stdout.strip().splitlines()
+    assert validated == "zstd 1mb ['sha1']"
+    assert loaded == "[]", f"importing the data configs imported {loaded}"
+
+
+def test_lazy_exports_resolve_and_unknown_names_fail():
+    import trainflow.data as data
+    from trainflow.data import prepare
+
+    assert data.prepare_dataset is prepare.prepare_dataset
+    assert data.dataset_fingerprint is prepare.dataset_fingerprint
+    assert all(getattr(data, name) is not None for name in data.__all__)
+    with pytest.raises(
+        AttributeError, match="'trainflow.data' has no attribute 'prepare_dataset2'"
+    ):
+        data.prepare_dataset2  # noqa: B018
+
+
+def test_values_skipping_streaming_checks_pass_them():
+    """The shortcut sets in `config` may only hold values streaming's own checks accept."""
+    from streaming.base.compression import is_compression
+    from streaming.base.hashing import get_hashes
+    from streaming.base.util import bytes_to_int
+
+    assert all(is_compression(c) for c in config.KNOWN_COMPRESSIONS)
+    assert config.KNOWN_HASHES.issubset(get_hashes())
+    assert all(0 < bytes_to_int(s) < 2**32 for s in config.KNOWN_SHARD_SIZES)
