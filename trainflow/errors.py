@@ -1,4 +1,15 @@
-"""Errors raised by `trainflow.distributed` launches."""
+"""Errors raised by `trainflow.distributed` launches, and by a technique a framework cannot run.
+
+No imports: the orchestrator raises these before any rank (or torch) starts.
+"""
+
+
+class FrameworkError(ValueError):
+    """A technique cannot run under a framework (Hugging Face Trainer, Lightning, our loop).
+
+    The message names both. `check_framework` raises it before launch; a strategy raises the
+    same message if a rank asks it for a framework object it cannot build.
+    """
 
 
 class LaunchError(RuntimeError):

@@ -3,13 +3,26 @@
 A strategy wraps a model and builds its optimizer, runs backward and the optimizer step (the
 place DeepSpeed's engine needs), saves and loads checkpoints, and exports one consolidated
 `nn.Module` state dict for registration. The train loop talks only to this interface.
+
+A strategy also expresses itself to the frameworks that own their own loop, so a workload
+never branches on technique:
+
+    batches = {"micro_batch_size": 8, "grad_accum_steps": 1, "optimizer": OptimizerConfig()}
+    args = strategy.hf_trainer_args(**batches, layer_classes=["LlamaDecoderLayer"])
+    trainer = Trainer(args=TrainingArguments(..., **args), ...)
+    strategy.prepare_hf_trainer(trainer)
+
+    lightning.Trainer(strategy=strategy.lightning_strategy(**batches), ...)
+
+Both run inside ranks the launcher started: they read the torchelastic environment and the
+process group already open, and start no process of their own.
 """
 
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -23,7 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainflow import checkpoint, runtime
-from trainflow.strategies.config import OptimizerConfig
+from trainflow.strategies.config import OptimizerConfig, check_framework
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import ParallelStrategy
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -49,6 +65,22 @@ def adamw(params: Any, config: OptimizerConfig) -> torch.optim.Optimizer:
         eps=config.eps,
         weight_decay=config.weight_decay,
     )
+
+
+def process_group_backend(device_type: str) -> str:
+    """nccl for CUDA ranks, gloo for anything else."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def gather_full_state_dict(module: nn.Module) -> dict[str, Any]:
+    """The whole model's state dict on CPU, gathered from the shards of every rank.
+
+    A collective: every rank must call it. The dict is complete on rank 0 and empty on the other
+    ranks. Works on plain, DDP- and FSDP2-wrapped modules alike (the Hugging Face Trainer's
+    `trainer.model` included).
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(module, options=options)
 
 
 class Strategy(ABC):
@@ -98,6 +130,101 @@ class Strategy(ABC):
 
         Returns:
             The model to call in the loop and the optimizer.
+        """
+
+    def hf_trainer_args(
+        self,
+        *,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        optimizer: OptimizerConfig,
+        layer_classes: list[str],
+        device_type: str | None = None,
+    ) -> dict[str, Any]:
+        """Hugging Face `TrainingArguments` settings that apply this technique.
+
+        FSDP also sets accelerate's `FSDP_*` environment variables, which transformers does
+        not pass on itself; DeepSpeed on CPU stops DeepSpeed probing for compiled ops.
+
+        Args:
+            micro_batch_size: Samples per rank per micro-batch (DeepSpeed's JSON repeats it).
+            grad_accum_steps: Micro-batches per optimizer step (likewise).
+            optimizer: AdamW settings (likewise).
+            layer_classes: Class names of the model's repeated blocks (FSDP wraps each).
+            device_type: "cuda" or "cpu"; default: this rank's device.
+
+        Raises:
+            FrameworkError: the Hugging Face Trainer cannot run this technique.
+        """
+        device_type = device_type or self.device.type
+        check_framework(self.config, "hf", device_type=device_type)
+        args: dict[str, Any] = {"use_cpu": device_type != "cuda"}
+        if runtime.get_world_size() > 1:
+            args["ddp_backend"] = process_group_backend(device_type)
+        return args | self._hf_technique_args(
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=grad_accum_steps,
+            optimizer=optimizer,
+            layer_classes=layer_classes,
+            device_type=device_type,
+        )
+
+    @abstractmethod
+    def _hf_technique_args(
+        self,
+        *,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        optimizer: OptimizerConfig,
+        layer_classes: list[str],
+        device_type: str,
+    ) -> dict[str, Any]: ...
+
+    def prepare_hf_trainer(self, trainer: Any) -> None:  # noqa: B027 - optional hook
+        """Adjust a Hugging Face Trainer built from `hf_trainer_args`, before `train()`."""
+
+    def lightning_strategy(
+        self, *, micro_batch_size: int, grad_accum_steps: int, optimizer: OptimizerConfig
+    ) -> "ParallelStrategy":
+        """The Lightning `Strategy` that applies this technique inside the launched ranks.
+
+        It uses the torchelastic environment the launcher set up (`TorchElasticEnvironment`),
+        so Lightning starts no processes and reuses an open process group. Give the Lightning
+        Trainer `devices` and `num_nodes` that multiply to the world size, and call
+        `prepare_lightning_model` from the LightningModule's `configure_model`.
+
+        Args:
+            micro_batch_size: Samples per rank per micro-batch (DeepSpeed's JSON needs it).
+            grad_accum_steps: Micro-batches per optimizer step; the Trainer's
+                `accumulate_grad_batches` must match it.
+            optimizer: AdamW settings (DeepSpeed builds its optimizer from them).
+
+        Raises:
+            FrameworkError: Lightning cannot run this technique (on this device).
+        """
+        check_framework(self.config, "lightning", device_type=self.device.type)
+        from lightning.pytorch.plugins.environments import TorchElasticEnvironment
+
+        strategy = self._lightning_strategy(
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=grad_accum_steps,
+            optimizer=optimizer,
+        )
+        # ModelParallelStrategy takes no environment argument; every parallel strategy has the
+        # attribute, and the Trainer keeps one already set.
+        strategy.cluster_environment = TorchElasticEnvironment()
+        return strategy
+
+    @abstractmethod
+    def _lightning_strategy(
+        self, *, micro_batch_size: int, grad_accum_steps: int, optimizer: OptimizerConfig
+    ) -> "ParallelStrategy": ...
+
+    def prepare_lightning_model(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
+        """Apply what Lightning's strategy leaves to the model, in place; safe to call again.
+
+        Call it from `LightningModule.configure_model` on the model the module holds. Nothing
+        by default: Lightning's DDP and DeepSpeed strategies wrap the model themselves.
         """
 
     @contextlib.contextmanager
@@ -169,9 +296,7 @@ class TorchStrategy(Strategy):
 
     def export(self, path: Path) -> None:
         """Gather the full state dict on CPU and save it from rank 0."""
-        state = get_model_state_dict(
-            self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        state = gather_full_state_dict(self.wrapped)
         if runtime.is_rank_zero():
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(state, path)

@@ -4,6 +4,10 @@ Everything that can be checked without starting a process is checked here, so a 
 fails when it is parsed (command line, Prefect form, deployment), not on a rank. The configs
 stay free of torch so the orchestrator (and, later, Hugging Face TRL/accelerate) can read them
 cheaply: `deepspeed_json` turns a `DeepSpeedConfig` into DeepSpeed's own JSON dict.
+
+Each technique also says which frameworks can run it (`framework_problem`): "torch" (our own
+loop, `Strategy.wrap`), "hf" (the Hugging Face Trainer through accelerate) and "lightning" (the
+Lightning Trainer). `check_framework` turns a refusal into a `FrameworkError` before launch.
 """
 
 import json
@@ -12,7 +16,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainflow.errors import FrameworkError
+
 Precision = Literal["fp32", "bf16"]
+
+# Framework name -> how messages name it.
+FRAMEWORKS: dict[str, str] = {
+    "torch": "trainflow's own loop",
+    "hf": "the Hugging Face Trainer",
+    "lightning": "the Lightning Trainer",
+}
 
 
 class OptimizerConfig(BaseModel):
@@ -31,6 +44,30 @@ class _Technique(BaseModel):
 
     def check_world_size(self, world_size: int) -> None:
         """Raise `ValueError` if the technique cannot run on `world_size` ranks."""
+
+    def framework_problem(self, framework: str, *, device_type: str | None = None) -> str | None:
+        """Why this technique cannot run under `framework`, or None when it can.
+
+        Args:
+            framework: "torch", "hf" or "lightning".
+            device_type: "cuda" or "cpu" when known; None skips the checks that depend on it.
+        """
+        if framework not in FRAMEWORKS:
+            return f"unknown framework; known: {', '.join(FRAMEWORKS)}"
+        return self._framework_problem(framework, device_type)
+
+    def _framework_problem(self, framework: str, device_type: str | None) -> str | None:
+        return None
+
+    def describe(self) -> str:
+        """The name and the options that differ from their defaults: `fsdp (replicate_degree=2)`."""
+        changed = [
+            f"{key}={getattr(self, key)!r}"
+            for key, field in type(self).model_fields.items()
+            if key != "name" and getattr(self, key) != field.default
+        ]
+        name = getattr(self, "name", type(self).__name__)
+        return f"{name} ({', '.join(changed)})" if changed else name
 
 
 class DDPConfig(_Technique):
@@ -85,6 +122,18 @@ class FSDPConfig(_Technique):
                 f"world size {world_size}: FSDP needs equal shard groups"
             )
 
+    def _framework_problem(self, framework: str, device_type: str | None) -> str | None:
+        if framework == "hf" and self.replicate_degree != 1:
+            return "accelerate's FSDP shards over all ranks; use replicate_degree=1"
+        if framework == "lightning" and self.cpu_offload:
+            # ModelParallelStrategy (Lightning's FSDP2) moves the module to the rank's device
+            # after configure_model; FSDP2 refuses offloaded parameters off the CPU.
+            return (
+                "Lightning's ModelParallelStrategy moves the sharded model to the GPU, which "
+                "FSDP2's CPU offload forbids; use cpu_offload=false"
+            )
+        return None
+
 
 class DeepSpeedConfig(_Technique):
     """DeepSpeed ZeRO: stage 1 shards optimizer state, 2 adds gradients, 3 adds parameters."""
@@ -124,11 +173,40 @@ class DeepSpeedConfig(_Technique):
             _read_json_object(self.config_file)
         return self
 
+    def _framework_problem(self, framework: str, device_type: str | None) -> str | None:
+        if framework == "lightning" and device_type not in (None, "cuda"):
+            return f"Lightning's DeepSpeedStrategy runs on CUDA GPUs only, not on {device_type}"
+        return None
+
 
 TechniqueConfig = Annotated[
     DDPConfig | FSDPConfig | DeepSpeedConfig,
     Field(discriminator="name", description="Parallelism technique and its options."),
 ]
+
+
+def check_framework(
+    technique: DDPConfig | FSDPConfig | DeepSpeedConfig,
+    framework: str,
+    *,
+    device_type: str | None = None,
+) -> None:
+    """Fail, before any rank starts, if `framework` cannot run `technique`.
+
+    Args:
+        technique: The technique config.
+        framework: "torch" (our loop), "hf" (Hugging Face Trainer) or "lightning".
+        device_type: "cuda" or "cpu" when known; None skips the checks that depend on it.
+
+    Raises:
+        FrameworkError: naming the technique (with its changed options), the framework and why.
+    """
+    problem = technique.framework_problem(framework, device_type=device_type)
+    if problem is not None:
+        where = FRAMEWORKS.get(framework, f"framework {framework!r}")
+        raise FrameworkError(
+            f"technique {technique.describe()} cannot run under {where}: {problem}"
+        )
 
 
 def _read_json_object(path: str) -> dict[str, Any]:
@@ -142,6 +220,11 @@ def _read_json_object(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"technique.config_file {path!r} must hold a JSON object")
     return data
+
+
+# DeepSpeed's default, said explicitly: the Hugging Face Trainer casts float inputs to fp16
+# unless the JSON has bf16 on or fp16 off.
+_FP16_OFF = {"enabled": False}
 
 
 def deepspeed_json(
@@ -201,6 +284,7 @@ def deepspeed_json(
         ds.setdefault("zero_optimization", {}).setdefault(
             "stage3_gather_16bit_weights_on_model_save", True
         )
+        ds.setdefault("fp16", dict(_FP16_OFF))
         return ds
     zero: dict[str, Any] = {
         "stage": config.zero_stage,
@@ -215,6 +299,7 @@ def deepspeed_json(
         "optimizer": adamw,
         "zero_optimization": zero,
         "bf16": {"enabled": config.mixed_precision == "bf16"},
+        "fp16": dict(_FP16_OFF),
         # Offloading with torch's AdamW instead of DeepSpeed's compiled CPU Adam.
         "zero_force_ds_cpu_optimizer": not torch_adam,
         "steps_per_print": 2**31 - 1,

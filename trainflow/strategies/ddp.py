@@ -2,13 +2,16 @@
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainflow.strategies.base import TorchStrategy, adamw
+from trainflow.strategies.base import TorchStrategy, adamw, process_group_backend
 from trainflow.strategies.config import DDPConfig, OptimizerConfig
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import ParallelStrategy
 
 
 class DDPStrategy(TorchStrategy):
@@ -34,6 +37,33 @@ class DDPStrategy(TorchStrategy):
         )
         self.optimizer = adamw(self.model.parameters(), optimizer)
         return self.model, self.optimizer
+
+    def _hf_technique_args(
+        self,
+        *,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        optimizer: OptimizerConfig,
+        layer_classes: list[str],
+        device_type: str,
+    ) -> dict[str, Any]:
+        return {
+            # The Trainer takes whole MiB.
+            "ddp_bucket_cap_mb": max(1, round(self.config.bucket_cap_mb)),
+            "ddp_find_unused_parameters": self.config.find_unused_parameters,
+        }
+
+    def _lightning_strategy(
+        self, *, micro_batch_size: int, grad_accum_steps: int, optimizer: OptimizerConfig
+    ) -> "ParallelStrategy":
+        from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+
+        # Extra keywords go to DistributedDataParallel, as in `wrap`.
+        return LightningDDPStrategy(
+            process_group_backend=process_group_backend(self.device.type),
+            bucket_cap_mb=self.config.bucket_cap_mb,
+            find_unused_parameters=self.config.find_unused_parameters,
+        )
 
     @contextlib.contextmanager
     def micro_batch(self, sync: bool) -> Iterator[None]:

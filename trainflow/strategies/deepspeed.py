@@ -2,21 +2,40 @@
 
 On CPU DeepSpeed picks its CPU accelerator and uses the gloo group already initialised;
 `deepspeed_json` selects torch's AdamW there, as DeepSpeed's fused and CPU Adam need compiled
-ops. DeepSpeed is imported on the rank only, when `wrap` runs.
+ops. DeepSpeed is imported on the rank only, when `wrap` (or `hf_trainer_args`) runs.
+
+The same JSON drives the Hugging Face Trainer (`deepspeed=`) and Lightning's
+`DeepSpeedStrategy(config=...)`; Lightning runs DeepSpeed on CUDA GPUs only.
 """
 
 import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
 
 from trainflow import runtime
-from trainflow.strategies.base import Strategy
+from trainflow.strategies.base import Strategy, process_group_backend
 from trainflow.strategies.config import DeepSpeedConfig, OptimizerConfig, deepspeed_json
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import ParallelStrategy
+
+
+def disable_compiled_ops_on_cpu(device_type: str) -> None:
+    """Tell DeepSpeed that no compiled op is available, off CUDA (call before it starts).
+
+    No DeepSpeed op is needed there (torch's AdamW, gloo). Saying none is available stops each
+    rank probing compilers for every op (~10 s) and JIT-building a shared-memory all-reduce
+    (minutes on a cold cache).
+    """
+    if device_type != "cuda":
+        import deepspeed
+
+        deepspeed.ops.__compatible_ops__ = {}
 
 
 class DeepSpeedStrategy(Strategy):
@@ -37,24 +56,68 @@ class DeepSpeedStrategy(Strategy):
         from deepspeed.utils import logger
 
         logger.setLevel(logging.WARNING)
-        if self.device.type == "cpu":
-            # No DeepSpeed op is needed on CPU (torch's AdamW, gloo). Saying none is available
-            # stops each rank probing compilers for every op (~10 s) and JIT-building a
-            # shared-memory all-reduce (minutes on a cold cache).
-            deepspeed.ops.__compatible_ops__ = {}
-        ds_config = deepspeed_json(
-            self.config,
-            micro_batch_size=micro_batch_size,
-            grad_accum_steps=grad_accum_steps,
-            world_size=runtime.get_world_size(),
-            optimizer=optimizer,
-            device_type=self.device.type,
-        )
+        disable_compiled_ops_on_cpu(self.device.type)
+        ds_config = self._json(micro_batch_size, grad_accum_steps, optimizer, self.device.type)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config
         )
         self.model, self.optimizer = engine, ds_optimizer
         return engine, ds_optimizer
+
+    def _json(
+        self,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        optimizer: OptimizerConfig,
+        device_type: str,
+    ) -> dict[str, Any]:
+        return deepspeed_json(
+            self.config,
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=grad_accum_steps,
+            world_size=runtime.get_world_size(),
+            optimizer=optimizer,
+            device_type=device_type,
+        )
+
+    def _hf_technique_args(
+        self,
+        *,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        optimizer: OptimizerConfig,
+        layer_classes: list[str],
+        device_type: str,
+    ) -> dict[str, Any]:
+        disable_compiled_ops_on_cpu(device_type)
+        return {
+            "deepspeed": self._json(micro_batch_size, grad_accum_steps, optimizer, device_type),
+            "bf16": self.config.mixed_precision == "bf16",
+        }
+
+    def _lightning_strategy(
+        self, *, micro_batch_size: int, grad_accum_steps: int, optimizer: OptimizerConfig
+    ) -> "ParallelStrategy":
+        from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+        from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
+
+        config = self._json(micro_batch_size, grad_accum_steps, optimizer, self.device.type)
+        # Lightning sets this from Trainer(accumulate_grad_batches=...) and refuses it in the
+        # JSON; DeepSpeed still checks train_batch_size, so a Trainer that disagrees fails.
+        del config["gradient_accumulation_steps"]
+        # Lightning casts float inputs to the precision its plugin names; take it from the JSON
+        # (a user's config_file may enable bf16 or fp16 itself).
+        if config.get("bf16", {}).get("enabled") is True:
+            precision = DeepSpeedPrecision("bf16-mixed")
+        elif config.get("fp16", {}).get("enabled") is True:
+            precision = DeepSpeedPrecision("16-mixed")
+        else:
+            precision = DeepSpeedPrecision("32-true")
+        return LightningDeepSpeedStrategy(
+            config=config,
+            process_group_backend=process_group_backend(self.device.type),
+            precision_plugin=precision,
+        )
 
     @property
     def engine(self) -> Any:

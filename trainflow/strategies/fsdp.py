@@ -1,8 +1,15 @@
-"""FSDP2: `fully_shard` each repeated block, then the root; checkpoints with DCP."""
+"""FSDP2: `fully_shard` each repeated block, then the root; checkpoints with DCP.
+
+Under the Hugging Face Trainer, accelerate's FSDP2 plugin shards (configured through the
+environment). Under Lightning, `ModelParallelStrategy` is the FSDP2 strategy (its
+`FSDPStrategy` is FSDP1) and it shards nothing itself: the LightningModule's `configure_model`
+calls `prepare_lightning_model`, which applies the same sharding as `wrap`.
+"""
 
 import contextlib
+import os
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -17,8 +24,11 @@ from torch.distributed.fsdp import (
 )
 
 from trainflow import runtime
-from trainflow.strategies.base import TorchStrategy, adamw, find_blocks
+from trainflow.strategies.base import TorchStrategy, adamw, find_blocks, process_group_backend
 from trainflow.strategies.config import FSDPConfig, OptimizerConfig
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import ParallelStrategy
 
 
 class FSDPStrategy(TorchStrategy):
@@ -53,6 +63,19 @@ class FSDPStrategy(TorchStrategy):
         micro_batch_size: int,
         grad_accum_steps: int,
     ) -> tuple[nn.Module, Any]:
+        self.model = self.shard(model)
+        self.optimizer = adamw(self.model.parameters(), optimizer)
+        return self.model, self.optimizer
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """Apply FSDP2 to `model` in place: each repeated block, then the root.
+
+        `wrap` calls it, and so does `prepare_lightning_model`. Every rank must call it (it
+        builds the device mesh).
+
+        Returns:
+            `model`, now an `FSDPModule`, on this rank's device unless parameters are offloaded.
+        """
         self.check_model(model)
         bf16 = self.config.mixed_precision == "bf16"
         options: dict[str, Any] = {
@@ -71,9 +94,71 @@ class FSDPStrategy(TorchStrategy):
                 activation_checkpoint(block)
             fully_shard(block, **options)
         fully_shard(model, **options)
-        self.model = model
-        self.optimizer = adamw(model.parameters(), optimizer)
-        return model, self.optimizer
+        return model
+
+    def _hf_technique_args(
+        self,
+        *,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        optimizer: OptimizerConfig,
+        layer_classes: list[str],
+        device_type: str,
+    ) -> dict[str, Any]:
+        # transformers passes FSDP options to accelerate through the environment; accelerate
+        # reads the FSDP version (2 = fully_shard) and resharding from it too.
+        os.environ["FSDP_VERSION"] = "2"
+        os.environ["FSDP_RESHARD_AFTER_FORWARD"] = str(self.config.reshard_after_forward).lower()
+        # save_model gathers a full state dict (rank 0 writes a plain Hugging Face folder).
+        os.environ["FSDP_STATE_DICT_TYPE"] = "FULL_STATE_DICT"
+        return {
+            "fsdp": "full_shard auto_wrap" + (" offload" if self.config.cpu_offload else ""),
+            "fsdp_config": {
+                "transformer_layer_cls_to_wrap": layer_classes,
+                "activation_checkpointing": self.config.activation_checkpointing,
+            },
+            "bf16": self.config.mixed_precision == "bf16",
+        }
+
+    def prepare_hf_trainer(self, trainer: Any) -> None:
+        """Let accelerate shard with FSDP2 on CPU ranks (gloo), as the GPU path does.
+
+        accelerate 1.15 enables FSDP only for accelerator devices and otherwise silently wraps
+        the model in DDP; fully_shard itself works on a CPU mesh. The plugin is rebuilt from the
+        same environment `hf_trainer_args` filled.
+        """
+        if self.device.type != "cpu":
+            return
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        state = AcceleratorState()
+        plugin = FullyShardedDataParallelPlugin()
+        plugin.activation_checkpointing = trainer.args.fsdp_config.get(
+            "activation_checkpointing", False
+        )
+        state.fsdp_plugin = plugin
+        state.distributed_type = DistributedType.FSDP
+        trainer.is_fsdp_enabled = True
+
+    def prepare_lightning_model(self, model: nn.Module) -> None:
+        """`shard` the model, once: Lightning calls `configure_model` again for each stage."""
+        if not isinstance(model, FSDPModule):
+            self.shard(model)
+
+    def _lightning_strategy(
+        self, *, micro_batch_size: int, grad_accum_steps: int, optimizer: OptimizerConfig
+    ) -> "ParallelStrategy":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        # Data parallel over all ranks: Lightning's default makes the ranks of a node
+        # tensor-parallel peers, which all read the same batches. HSDP's 2-D mesh is built in
+        # `shard`; to the data loader it is data parallel over all ranks too.
+        return ModelParallelStrategy(
+            data_parallel_size=runtime.get_world_size(),
+            tensor_parallel_size=1,
+            process_group_backend=process_group_backend(self.device.type),
+        )
 
     @contextlib.contextmanager
     def micro_batch(self, sync: bool) -> Iterator[None]:
