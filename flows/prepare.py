@@ -3,15 +3,19 @@
 python -m flows.prepare                          # the 'instructions' preset
 python -m flows.prepare --preset interactions
 python -m flows.prepare --config my_data.yaml    # any DataConfig as YAML
+python -m flows.prepare --help
 """
 
-import argparse
+import functools
+import sys
 
-import yaml
 from prefect import flow
 
 from tasks.data import prepare_dataset
-from trainflow.data import DataConfig, PreparedDataset, load_preset
+from trainflow.cli import pipeline_config
+from trainflow.data.config import DataConfig, PreparedDataset, load_preset, preset_names
+
+PRESETS = {name: functools.partial(load_preset, name) for name in preset_names()}
 
 
 @flow(name="prepare", log_prints=True)
@@ -21,17 +25,9 @@ def prepare(config: DataConfig = load_preset("instructions")) -> PreparedDataset
 
 
 def _config_from_args(argv: list[str] | None = None) -> DataConfig:
-    parser = argparse.ArgumentParser(description="Prepare a dataset as MDS shards.")
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--preset", default="instructions", help="shipped preset name")
-    group.add_argument("--config", help="path to a DataConfig YAML file")
-    args = parser.parse_args(argv)
-    if args.config:
-        with open(args.config) as f:
-            return DataConfig.model_validate(yaml.safe_load(f))
-    return load_preset(args.preset)
+    return pipeline_config(prepare, load_preset("instructions"), argv, __doc__, PRESETS)
 
 
 if __name__ == "__main__":
-    result = prepare(_config_from_args())
+    result = prepare(_config_from_args(sys.argv[1:]))
     print(result.model_dump_json(indent=2))

@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainflow import runtime
-    from trainflow.errors import LaunchError, LaunchTimeoutError, PayloadError, RankError
+    from trainflow.errors import (
+        FrameworkError,
+        LaunchError,
+        LaunchTimeoutError,
+        PayloadError,
+        RankError,
+    )
     from trainflow.launcher import (
         DistributedFunction,
         LaunchOptions,
@@ -24,6 +30,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "DistributedFunction": "trainflow.launcher",
+    "FrameworkError": "trainflow.errors",
     "LaunchError": "trainflow.errors",
     "LaunchOptions": "trainflow.launcher",
     "LaunchResult": "trainflow.launcher",
@@ -38,6 +45,7 @@ _EXPORTS = {
 
 __all__ = [
     "DistributedFunction",
+    "FrameworkError",
     "LaunchError",
     "LaunchOptions",
     "LaunchResult",

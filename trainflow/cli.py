@@ -143,13 +143,21 @@ def parse_config(
 ) -> M:
     """Parse `argv` into a validated `model`, starting from `defaults`.
 
-    With `presets`, `--preset NAME` starts from that preset instead; the other options override
-    it. Invalid values exit with status 2 and a message naming the option, like any argparse
-    error.
+    `--config FILE` (YAML or JSON) starts from a whole config in a file instead; with
+    `presets`, so does `--preset NAME`. The other options override the starting values.
+    Invalid values exit with status 2 and a message naming the option (or the file), like any
+    argparse error.
     """
     parser = build_parser(model, defaults, prog, description)
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="Start from the config in this YAML or JSON file; the other options override it.",
+    )
     if presets:
-        parser.add_argument(
+        start.add_argument(
             "--preset",
             choices=sorted(presets),
             default=argparse.SUPPRESS,
@@ -157,9 +165,12 @@ def parse_config(
             "(defaults shown here are the default preset's).",
         )
     given = vars(parser.parse_args(argv))
+    base = defaults.model_dump()
     if presets and "preset" in given:
-        defaults = presets[given.pop("preset")]()
-    merged = _merge(defaults.model_dump(), _nest(given))
+        base = presets[given.pop("preset")]().model_dump()
+    if "config" in given:
+        base = _read_config_file(parser, given.pop("config"))
+    merged = _merge(base, _nest(given))
     try:
         return model.model_validate(merged)
     except ValidationError as exc:
@@ -171,6 +182,22 @@ def parse_config(
         )
         parser.error(problems)
         raise  # unreachable: parser.error exits
+
+
+def _read_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """The mapping in a YAML (or JSON) file; exits naming the file when it is not one."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        parser.error(f"--config {path}: cannot read it ({exc.strerror})")
+    except yaml.YAMLError as exc:
+        parser.error(f"--config {path}: not valid YAML or JSON: {exc}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of options, got {type(data).__name__}")
+    return data
 
 
 def pipeline_config(

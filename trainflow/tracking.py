@@ -55,28 +55,29 @@ class NullSink:
 
 
 class MlflowSink:
-    """Buffers metrics and sends them in batches to an existing MLflow run."""
+    """Sends metrics to an existing MLflow run with MLflow's asynchronous logging.
 
-    def __init__(self, run_id: str, flush_every: int = 50):
+    MLflow queues the calls and batches them in a background thread, so a training step never
+    waits on the tracking store; `flush` waits until everything logged so far is stored.
+    """
+
+    def __init__(self, run_id: str):
         from mlflow.entities import Metric
 
         self._metric = Metric
         self.run_id = run_id
-        self.flush_every = flush_every
         self.client = _client()
-        self.buffer: list[Any] = []
+        self.pending: list[Any] = []
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
-        self.buffer.extend(self._metric(k, float(v), now, step) for k, v in metrics.items())
-        if len(self.buffer) >= self.flush_every:
-            self.flush()
+        batch = [self._metric(k, float(v), now, step) for k, v in metrics.items()]
+        self.pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
 
     def flush(self) -> None:
-        # MLflow accepts at most 1000 metrics per batch.
-        while self.buffer:
-            batch, self.buffer = self.buffer[:1000], self.buffer[1000:]
-            self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
+        pending, self.pending = self.pending, []
+        for operation in pending:
+            operation.wait()
 
 
 PROGRESS_FILE = "progress.json"
@@ -97,6 +98,7 @@ class ProgressFile:
         """Record that `step` of `max_steps` is done (a no-op without a path)."""
         if self.path is None:
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"step": step, "max_steps": self.max_steps}))
         tmp.replace(self.path)
@@ -111,10 +113,10 @@ def read_progress(path: str | Path) -> float | None:
         return None
 
 
-def metrics_sink(run_id: str | None, is_rank_zero: bool, flush_every: int = 50) -> MetricsSink:
+def metrics_sink(run_id: str | None, is_rank_zero: bool) -> MetricsSink:
     """An MLflow sink on rank 0 when a run id is given, a null sink everywhere else."""
     if run_id and is_rank_zero:
-        return MlflowSink(run_id, flush_every)
+        return MlflowSink(run_id)
     return NullSink()
 
 

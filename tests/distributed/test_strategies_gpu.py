@@ -20,9 +20,7 @@ BF16_RTOL = 5e-2
 def gpu_config(technique):
     config = tiny_config(technique, checkpoint_every=3)
     gpus = min(2, torch.cuda.device_count())
-    return config.model_copy(
-        update={"gpus": gpus, "gpu_type": None}
-    )
+    return config.model_copy(update={"gpus": gpus, "gpu_type": None})
 
 
 def assert_trains_like_reference(result, config, rtol):

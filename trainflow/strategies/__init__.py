@@ -21,6 +21,7 @@ from trainflow.strategies.config import (
     FSDPConfig,
     OptimizerConfig,
     TechniqueConfig,
+    check_framework,
     deepspeed_json,
 )
 
@@ -63,6 +64,7 @@ __all__ = [
     "Strategy",
     "TechniqueConfig",
     "build_strategy",
+    "check_framework",
     "deepspeed_json",
     "find_blocks",
     "strategy_class",

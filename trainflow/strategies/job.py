@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ImportString, SerializeAsAny
 
 from trainflow.resources import Resources
-from trainflow.strategies.config import TechniqueConfig
+from trainflow.strategies.config import TechniqueConfig, check_framework
 
 __all__ = [
     "Resources",
@@ -57,6 +57,10 @@ class TrainResult(BaseModel):
 
     technique: str = Field(description="Technique that trained the model.")
     world_size: int = Field(description="Ranks that trained it.")
+    wrapped_as: str = Field(
+        description="Class of the model as trained: the technique's wrapper (e.g. "
+        "DistributedDataParallel, FSDPLlamaForCausalLM, DeepSpeedEngine)."
+    )
     steps: int = Field(description="Optimizer steps reached.")
     metrics: dict[str, float] = Field(description="Training metrics (train_*) at the end.")
     history: dict[int, dict[str, float]] = Field(description="Logged metrics by step.")
@@ -79,10 +83,11 @@ def check_before_launch(
     """
     import torch
 
+    from trainflow.resources import resolve_resources
     from trainflow.strategies import build_strategy
-    from trainflow.strategies.config import check_framework
 
-    check_framework(technique, workload.framework)
+    plan = resolve_resources(resources.gpus, resources.gpu_type, resources.nnodes)
+    check_framework(technique, workload.framework, device_type=plan.device)
     technique.check_world_size(resources.gpus)
     with torch.device("meta"):
         model = workload.model_fn(workload.config)

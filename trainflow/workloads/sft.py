@@ -1,18 +1,15 @@
 """Supervised fine-tuning of a causal LM with TRL's `SFTTrainer`, under any technique.
 
 `train` runs on every rank inside the process group the technique subflow opened. The
-technique's typed config becomes Trainer settings (`technique_arguments`): DDP options, FSDP2
-through accelerate's plugin, or the DeepSpeed JSON `deepspeed_json` builds. The Trainer, not
-our strategy, wraps the model, so the strategy object only carries the technique config.
+strategy expresses the technique to the Trainer (`Strategy.hf_trainer_args`): DDP options,
+FSDP2 through accelerate's plugin, or DeepSpeed's JSON. The Trainer, not our loop, wraps the
+model; `TrainResult.wrapped_as` says what it became.
 
-Data: each rank reads the whole prepared split (`input_ids` + `assistant_masks`) into a
-map-style dataset and the Trainer's distributed sampler gives each rank its share. A
-`StreamingDataset` already partitions by rank and accelerate would shard it a second time;
-reading the split whole keeps one owner of the partitioning (and exact epochs) at the cost of
-each rank holding the token ids in memory, which is small for instruction data.
+Data: each rank streams only its own partition of the train split (`streaming` partitions by
+the launcher's ranks), once per epoch, and the Trainer reads that loader as it is: nothing
+gathers the split, and nothing shards it a second time.
 """
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -36,14 +33,8 @@ from trainflow.configs.sft import (
 from trainflow.configs.sft import sft_gate_failures as gate_failures
 from trainflow.data.tokenizer import load_tokenizer
 from trainflow.models.causal_lm import build_causal_lm
-from trainflow.strategies import (
-    DDPConfig,
-    DeepSpeedConfig,
-    FSDPConfig,
-    Strategy,
-    TechniqueConfig,
-    deepspeed_json,
-)
+from trainflow.strategies import Strategy, TechniqueConfig, build_strategy
+from trainflow.strategies.base import gather_full_state_dict
 from trainflow.strategies.job import TrainResult
 from trainflow.tracking import (
     PROGRESS_FILE,
@@ -79,19 +70,16 @@ def build_model(job: SFTJob) -> PreTrainedModel:
 
 
 def read_split(uri: str, split: str, limit: int | None = None) -> dict[str, list[list[int]]]:
-    """A prepared split, whole: `input_ids` and `assistant_masks` lists in id order.
+    """A prepared split, whole, in id order: `input_ids` and `assistant_masks` lists.
 
-    Each rank streams its partition with the project's loader (hash checks, stale shared
-    memory cleanup), then the ranks exchange partitions, so every rank holds the whole split
-    in the stored id order and the Trainer's sampler is the only thing that shards it.
+    For evaluation in the orchestrating process (one reader, no process group); training
+    ranks stream their own partitions instead (`train_loader`).
 
     Args:
         uri: Published dataset (`PreparedDataset.uri`).
-        split: Split name, e.g. 'train' or 'validation'.
+        split: Split name, e.g. 'validation'.
         limit: Keep the first `limit` rows by id.
     """
-    import torch.distributed as dist
-
     from trainflow.data import LoaderConfig, build_dataloader
 
     read_all = LoaderConfig.model_validate({"batch_size": 256, "shuffle": False})
@@ -101,15 +89,109 @@ def read_split(uri: str, split: str, limit: int | None = None) -> dict[str, list
         for batch in loader
         for s in batch
     }
-    if dist.is_initialized():
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, rows)
-        rows = {k: v for part in parts for k, v in part.items()}  # streaming pads partitions
     ids = sorted(rows)[:limit]
     return {
         "input_ids": [rows[i][0] for i in ids],
         "assistant_masks": [rows[i][1] for i in ids],
     }
+
+
+class SampleLog:
+    """Which sample ids this rank trained on, when switched on (`start`); off by default.
+
+    An audit aid: the ids come from the batches the Trainer actually consumed.
+    """
+
+    def __init__(self) -> None:
+        self.ids: list[list[int]] | None = None
+
+    def start(self) -> None:
+        """Record from now on: one list of ids per batch the Trainer draws."""
+        self.ids = []
+
+    def record(self, ids: list[int]) -> None:
+        if self.ids is not None:
+            self.ids.append(ids)
+
+
+sample_log = SampleLog()
+
+
+class LMCollate:
+    """Answer-only language-modelling batches, as TRL builds them, with the sample ids aside.
+
+    Labels are the token ids with every non-answer token set to -100 (TRL's `assistant_masks`
+    rule); TRL's own collator pads them. The ids travel as `sample_ids`, which the rank's
+    Trainer takes out before the forward pass.
+    """
+
+    def __init__(self, pad_token_id: int, max_length: int) -> None:
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        self.collate = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
+        self.max_length = max_length
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        import numpy as np
+        import torch
+
+        examples = [
+            {
+                "input_ids": s["input_ids"][: self.max_length].tolist(),
+                "labels": np.where(s["assistant_masks"] == 1, s["input_ids"], -100)[
+                    : self.max_length
+                ].tolist(),
+            }
+            for s in samples
+        ]
+        batch = self.collate(examples)
+        batch["sample_ids"] = torch.tensor([int(s["id"]) for s in samples])
+        return batch
+
+
+def train_loader(job: SFTJob, pad_token_id: int) -> Any:
+    """This rank's loader over its own partition of the train split, reshuffled each epoch.
+
+    `streaming` partitions the split by the launcher's ranks; no other sampler shards it again.
+    """
+    from trainflow.data import LoaderConfig, build_dataloader
+
+    t = job.config.training
+    config = LoaderConfig.model_validate(
+        {"batch_size": t.per_device_batch_size, "shuffle": True, "seed": t.seed}
+    )
+    return build_dataloader(
+        job.data.uri,
+        "train",
+        config,
+        collate_fn=LMCollate(pad_token_id, job.config.max_length),
+    )
+
+
+def _on_rank(trainer_class: type, loader: Any) -> type:
+    """`trainer_class` reading `loader` as it is (this rank's partition), and timing data waits.
+
+    The Trainer would otherwise hand the loader to accelerate, which shards an iterable
+    dataset a second time across the ranks.
+    """
+
+    class RankTrainer(trainer_class):  # type: ignore[misc, valid-type]
+        data_wait_s = 0.0
+
+        def get_train_dataloader(self) -> Any:
+            return loader
+
+        def get_batch_samples(self, epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                batches, num_items = super().get_batch_samples(epoch_iterator, *args, **kwargs)
+            finally:
+                self.data_wait_s += time.perf_counter() - started
+            for batch in batches:
+                sample_log.record(batch.pop("sample_ids").tolist())
+            return batches, num_items
+
+    return RankTrainer
 
 
 class ProgressCallback(TrainerCallback):
@@ -148,7 +230,7 @@ def technique_arguments(
     device_type: str,
     layer_classes: list[str],
 ) -> dict[str, Any]:
-    """Trainer settings that apply `technique`: the same typed configs as our strategies.
+    """Trainer settings that apply `technique`, as its strategy expresses itself to the Trainer.
 
     Args:
         technique: The technique config.
@@ -156,81 +238,16 @@ def technique_arguments(
         device_type: "cuda" or "cpu".
         layer_classes: Class names of the model's repeated blocks (FSDP wraps each).
     """
-    on_cpu = device_type != "cuda"
-    args: dict[str, Any] = {"use_cpu": on_cpu}
-    if runtime.get_world_size() > 1:
-        args["ddp_backend"] = "gloo" if on_cpu else "nccl"
-    if isinstance(technique, DDPConfig):
-        args["ddp_bucket_cap_mb"] = max(1, round(technique.bucket_cap_mb))
-        args["ddp_find_unused_parameters"] = technique.find_unused_parameters
-    elif isinstance(technique, FSDPConfig):
-        # transformers passes FSDP options to accelerate through the environment; accelerate
-        # reads the FSDP version (2 = fully_shard) and resharding from it too.
-        os.environ["FSDP_VERSION"] = "2"
-        os.environ["FSDP_RESHARD_AFTER_FORWARD"] = str(technique.reshard_after_forward).lower()
-        # save_model gathers a full state dict (rank 0 writes a plain Hugging Face folder).
-        os.environ["FSDP_STATE_DICT_TYPE"] = "FULL_STATE_DICT"
-        args["fsdp"] = "full_shard auto_wrap" + (" offload" if technique.cpu_offload else "")
-        args["fsdp_config"] = {
-            "transformer_layer_cls_to_wrap": layer_classes,
-            "activation_checkpointing": technique.activation_checkpointing,
-        }
-        args["bf16"] = technique.mixed_precision == "bf16"
-    elif isinstance(technique, DeepSpeedConfig):
-        if on_cpu:
-            import deepspeed
-
-            # No DeepSpeed op is needed on CPU (torch's AdamW, gloo); see strategies/deepspeed.py.
-            deepspeed.ops.__compatible_ops__ = {}
-        args["deepspeed"] = deepspeed_json(
-            technique,
-            micro_batch_size=training.per_device_batch_size,
-            grad_accum_steps=training.grad_accum_steps,
-            world_size=runtime.get_world_size(),
-            optimizer=training.optimizer,
-            device_type=device_type,
-        )
-        args["bf16"] = technique.mixed_precision == "bf16"
-    return args
-
-
-def _timed(trainer_class: type) -> type:
-    """`trainer_class` that also adds up the time spent waiting for batches (`data_wait_s`)."""
-
-    class Timed(trainer_class):  # type: ignore[misc, valid-type]
-        data_wait_s = 0.0
-
-        def get_batch_samples(self, *args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return super().get_batch_samples(*args, **kwargs)
-            finally:
-                self.data_wait_s += time.perf_counter() - started
-
-    return Timed
-
-
-def _enable_fsdp_on_cpu(trainer: Any) -> None:
-    """Let accelerate shard with FSDP2 on CPU ranks (gloo), as the GPU path does.
-
-    accelerate 1.15 enables FSDP only for accelerator devices and otherwise silently wraps the
-    model in DDP; fully_shard itself works on a CPU mesh. The plugin is rebuilt from the same
-    environment transformers filled from the technique's settings.
-    """
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    state = AcceleratorState()
-    plugin = FullyShardedDataParallelPlugin()
-    plugin.activation_checkpointing = trainer.args.fsdp_config.get(
-        "activation_checkpointing", False
+    return build_strategy(technique).hf_trainer_args(
+        micro_batch_size=training.per_device_batch_size,
+        grad_accum_steps=training.grad_accum_steps,
+        optimizer=training.optimizer,
+        layer_classes=layer_classes,
+        device_type=device_type,
     )
-    state.fsdp_plugin = plugin
-    state.distributed_type = DistributedType.FSDP
-    trainer.is_fsdp_enabled = True
 
 
-def _save_fsdp(trainer: Any, model: PreTrainedModel, peft_config: Any, path: Path) -> None:
+def _save_sharded(trainer: Any, model: PreTrainedModel, peft_config: Any, path: Path) -> None:
     """Gather the sharded weights and let rank 0 save them from an unsharded replica.
 
     `Trainer.save_model` saves the FSDP2-wrapped model itself, whose parameters are still
@@ -238,12 +255,9 @@ def _save_fsdp(trainer: Any, model: PreTrainedModel, peft_config: Any, path: Pat
     """
     import torch.distributed as dist
     from peft import get_peft_model
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    # Every rank joins the gather; rank 0 receives the full tensors on CPU.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(trainer.model, options=options)
+    state = gather_full_state_dict(trainer.model)  # every rank joins; rank 0 gets it all
     if runtime.is_rank_zero():
         replica = AutoModelForCausalLM.from_config(model.config)
         if peft_config is not None:
@@ -292,7 +306,6 @@ def train(
     if runtime.is_rank_zero() and is_tiny(config.model):
         model.save_pretrained(initial_model_dir(out))
         tokenizer.save_pretrained(initial_model_dir(out))
-    device_type = runtime.get_device().type
     callback = ProgressCallback(
         metrics_sink(mlflow_run_id, runtime.is_rank_zero()), out, config.max_steps
     )
@@ -316,11 +329,12 @@ def train(
         data_seed=t.seed,
         max_length=config.max_length,
         dataloader_num_workers=0,
+        dataset_kwargs={"skip_prepare_dataset": True},
         disable_tqdm=True,
-        **technique_arguments(
-            strategy.config,
-            t,
-            device_type=device_type,
+        **strategy.hf_trainer_args(
+            micro_batch_size=t.per_device_batch_size,
+            grad_accum_steps=t.grad_accum_steps,
+            optimizer=t.optimizer,
             layer_classes=_layer_classes(model),
         ),
     )
@@ -336,20 +350,25 @@ def train(
         if config.lora
         else None
     )
-    trainer = _timed(SFTTrainer)(
+    loader = train_loader(job, tokenizer.pad_token_id)
+    # SFTTrainer wants a dataset when it is built (it checks the columns and peeks at a row);
+    # the rows it trains on come from `loader`, through `get_train_dataloader`.
+    columns = datasets.Dataset.from_dict(
+        {"input_ids": [[tokenizer.pad_token_id]], "labels": [[-100]]}
+    )
+    trainer = _on_rank(SFTTrainer, loader)(
         model=model,
         args=args,
-        train_dataset=datasets.Dataset.from_dict(read_split(job.data.uri, "train")),
+        train_dataset=columns,
         processing_class=tokenizer,
         peft_config=peft_config,
         callbacks=[callback],
     )
-    if isinstance(strategy.config, FSDPConfig) and device_type == "cpu":
-        _enable_fsdp_on_cpu(trainer)
+    strategy.prepare_hf_trainer(trainer)
     output = trainer.train()
     runtime.print0(f"trained as {type(trainer.model_wrapped).__name__} on {world} rank(s)")
     if trainer.is_fsdp_enabled:
-        _save_fsdp(trainer, model, peft_config, trained_model_dir(out))
+        _save_sharded(trainer, model, peft_config, trained_model_dir(out))
     else:
         trainer.save_model(str(trained_model_dir(out)))
     last = callback.history[max(callback.history)] if callback.history else {}
@@ -362,6 +381,7 @@ def train(
     return TrainResult(
         technique=strategy.name,
         world_size=runtime.get_world_size(),
+        wrapped_as=type(trainer.model_wrapped).__name__,
         steps=output.global_step,
         metrics={f"train_{k}": v for k, v in last.items()} | summary,
         history=callback.history,

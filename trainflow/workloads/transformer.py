@@ -118,6 +118,7 @@ def train(
     return TrainResult(
         technique=strategy.name,
         world_size=world,
+        wrapped_as=type(strategy.wrapped).__name__,
         steps=fitted.steps,
         metrics=fitted.last_metrics(),
         history=fitted.history,
