@@ -190,7 +190,7 @@ def finish(
         model += f" ({run.workload.alias})" if not run.failures else " (gate not passed: no alias)"
     publish_summary(
         f"{run.name}-summary",
-        title=f"{run.name} pipeline",
+        title=f"{run.workload.title} pipeline",
         config=config.model_dump(),
         metrics=metrics,
         model=model,

@@ -6,11 +6,13 @@ library and every rank stay free of Prefect.
 
 from collections.abc import Callable
 from typing import Any
+from uuid import UUID
 
-from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect import get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.actions import ArtifactCreate
 from prefect.context import FlowRunContext, TaskRunContext
+from prefect.logging.loggers import PrefectLogAdapter, get_logger
 
 from trainflow.launcher import LaunchOptions, LaunchResult, launch
 
@@ -20,11 +22,37 @@ def in_prefect_run() -> bool:
     return FlowRunContext.get() is not None or TaskRunContext.get() is not None
 
 
+def _pipeline_flow_run_id() -> UUID | None:
+    """The outermost flow run above this one: the pipeline a person started.
+
+    Technique subflows launch the ranks; their lines and the rank-logs artifact belong to the
+    pipeline's run, where people look for them.
+    """
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return None
+    run = context.flow_run
+    if run.parent_task_run_id is None:
+        return run.id
+    with get_client(sync_client=True) as client:
+        while run.parent_task_run_id is not None:
+            parent_task = client.read_task_run(run.parent_task_run_id)
+            if parent_task.flow_run_id is None:
+                break
+            run = client.read_flow_run(parent_task.flow_run_id)
+    return run.id
+
+
 def launch_logged(
     fn: Callable[..., Any], args: tuple, kwargs: dict, options: LaunchOptions
 ) -> LaunchResult:
-    """Launch from inside a Prefect run, forwarding each rank line to the run's logs."""
-    logger = get_run_logger()
+    """Launch from inside a Prefect run, forwarding each rank line to the pipeline run's logs."""
+    run_logger = get_run_logger()
+    pipeline_run_id = _pipeline_flow_run_id()
+    extra = dict(getattr(run_logger, "extra", None) or {})
+    if pipeline_run_id is not None:
+        extra["flow_run_id"] = str(pipeline_run_id)
+    logger = PrefectLogAdapter(get_logger("prefect.task_runs"), extra=extra)
     result = launch(
         fn,
         args,
@@ -34,15 +62,22 @@ def launch_logged(
     )
     files = "\n".join(f"| {r} | `{p}` |" for r, p in result.log_files.items())
     logger.info("Full rank logs: %s", result.run_dir / "logs")
-    create_markdown_artifact(
-        key="rank-logs",
-        markdown=(
-            f"### Rank logs of `{getattr(fn, '__name__', 'fn')}`\n\n"
-            f"{result.resources.world_size} ranks on {result.resources.device}\n\n"
-            f"| rank | log file |\n|---|---|\n{files}\n"
-        ),
-        description="Where each rank's full stdout/stderr is kept",
-    )
+    task_context = TaskRunContext.get()
+    with get_client(sync_client=True) as client:
+        client.create_artifact(
+            ArtifactCreate(
+                key="rank-logs",
+                type="markdown",
+                data=(
+                    f"### Rank logs of `{getattr(fn, '__name__', 'fn')}`\n\n"
+                    f"{result.resources.world_size} ranks on {result.resources.device}\n\n"
+                    f"| rank | log file |\n|---|---|\n{files}\n"
+                ),
+                description="Where each rank's full stdout/stderr is kept",
+                flow_run_id=pipeline_run_id,
+                task_run_id=task_context.task_run.id if task_context else None,
+            )
+        )
     return result
 
 

@@ -7,7 +7,7 @@ from pydantic import Field, model_validator
 from trainflow.gate import Threshold
 from trainflow.paths import SafeName
 from trainflow.resources import Resources
-from trainflow.strategies.config import DDPConfig, OptimizerConfig, TechniqueConfig
+from trainflow.strategies.config import DDPConfig, OptimizerConfig
 
 
 class MLPConfig(Resources):
@@ -26,10 +26,6 @@ class MLPConfig(Resources):
     learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate.")
     seed: int = Field(0, description="Seed for data order, sampling and initial weights.")
     log_every: int = Field(25, ge=1, description="Log the training loss every N steps.")
-    technique: TechniqueConfig = Field(
-        default_factory=DDPConfig,
-        description="Technique: ddp or deepspeed, or a JSON object with its options.",
-    )
     experiment_name: SafeName = Field("mlp", description="MLflow experiment.")
     registered_model_name: SafeName = Field(
         "mlp", description="MLflow registered model to add a version to (letters, digits, ._-)."
@@ -52,8 +48,12 @@ class MLPConfig(Resources):
             )
         if self.backend == "nccl" and (self.gpu_type or "").lower() == "cpu":
             raise ValueError("backend='nccl' needs GPU ranks, but gpu_type='cpu'")
-        self.technique.check_world_size(self.gpus)
         return self
+
+    @property
+    def technique(self) -> DDPConfig:
+        """The catalogue's MLP example trains with DDP (through the shared loop)."""
+        return DDPConfig()
 
     @property
     def optimizer(self) -> OptimizerConfig:

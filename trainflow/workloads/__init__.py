@@ -32,6 +32,7 @@ class WorkloadSpec:
         module: Import path of the workload module (imported on first use).
         framework: What applies the technique on the ranks: our own loop over
             `Strategy.wrap` ("torch"), the Hugging Face Trainer ("hf") or Lightning.
+        title: How people call it, in summaries ("MLP", "SFT").
         alias: None registers a version only past the gate; a name ("champion") registers
             every finished run and moves that alias only past the gate.
     """
@@ -39,6 +40,7 @@ class WorkloadSpec:
     name: str
     module: str
     framework: Framework
+    title: str
     alias: str | None = None
 
     def ref(self, attr: str) -> str:
@@ -59,7 +61,9 @@ class Evaluation:
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {
-    "mlp": WorkloadSpec("mlp", "trainflow.workloads.mlp", "torch"),
-    "transformer": WorkloadSpec("transformer", "trainflow.workloads.transformer", "torch"),
-    "sft": WorkloadSpec("sft", "trainflow.workloads.sft", "hf", alias="champion"),
+    "mlp": WorkloadSpec("mlp", "trainflow.workloads.mlp", "torch", "MLP"),
+    "transformer": WorkloadSpec(
+        "transformer", "trainflow.workloads.transformer", "torch", "Transformer"
+    ),
+    "sft": WorkloadSpec("sft", "trainflow.workloads.sft", "hf", "SFT", alias="champion"),
 }

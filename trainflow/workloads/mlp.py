@@ -94,7 +94,11 @@ def train(
         grad_accum_steps=1,
     )
     steps = num_steps(config, world)
-    runtime.print0(f"{world} rank(s) on {strategy.device}: {steps} steps of {config.batch_size}")
+    print(
+        f"rank {runtime.get_global_rank()}/{world} on {strategy.device}: "
+        f"{config.num_train_samples // world} rows, {steps} steps of {config.batch_size}",
+        flush=True,
+    )
     batches = _batches(config)
     fitted = fit(
         strategy,

@@ -282,35 +282,12 @@ def initial_model_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "initial"
 
 
-def train(
-    job: SFTJob,
-    strategy: Strategy,
-    *,
-    output_dir: str,
-    mlflow_run_id: str | None = None,
-    resume_from: str | None = None,
-) -> TrainResult:
-    """Fine-tune on this rank with `SFTTrainer`; save the trained weights (rank 0 writes)."""
-    from peft import LoraConfig
+def _trainer_config(config: SFTConfig, strategy: Strategy, model: Any, out: Path) -> Any:
+    """TRL's `SFTConfig` for this run: steps, batches, optimizer, and the technique's settings."""
     from trl import SFTConfig as TrainerConfig
-    from trl import SFTTrainer
 
-    if resume_from is not None:
-        raise ValueError("resume_from: the SFT workload does not resume from checkpoints yet")
-    datasets.disable_progress_bars()
-    config, t, world = job.config, job.config.training, runtime.get_world_size()
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(config.tokenizer_path())
-    model = build_causal_lm(config.model, tokenizer, seed=t.seed)
-    if runtime.is_rank_zero() and is_tiny(config.model):
-        model.save_pretrained(initial_model_dir(out))
-        tokenizer.save_pretrained(initial_model_dir(out))
-    callback = ProgressCallback(
-        metrics_sink(mlflow_run_id, runtime.is_rank_zero()), out, config.max_steps
-    )
-    opt = t.optimizer
-    args = TrainerConfig(
+    t, opt = config.training, config.training.optimizer
+    return TrainerConfig(
         output_dir=str(out / "trainer"),
         max_steps=config.max_steps,
         per_device_train_batch_size=t.per_device_batch_size,
@@ -334,43 +311,30 @@ def train(
         **strategy.hf_trainer_args(
             micro_batch_size=t.per_device_batch_size,
             grad_accum_steps=t.grad_accum_steps,
-            optimizer=t.optimizer,
+            optimizer=opt,
             layer_classes=_layer_classes(model),
         ),
     )
+
+
+def _lora_config(config: SFTConfig) -> Any:
+    """PEFT's `LoraConfig` when the run trains an adapter, else None."""
+    if not config.lora:
+        return None
+    from peft import LoraConfig
+
     lora = config.lora_settings
-    peft_config = (
-        LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            task_type="CAUSAL_LM",
-        )
-        if config.lora
-        else None
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
     )
-    loader = train_loader(job, tokenizer.pad_token_id)
-    # SFTTrainer wants a dataset when it is built (it checks the columns and peeks at a row);
-    # the rows it trains on come from `loader`, through `get_train_dataloader`.
-    columns = datasets.Dataset.from_dict(
-        {"input_ids": [[tokenizer.pad_token_id]], "labels": [[-100]]}
-    )
-    trainer = _on_rank(SFTTrainer, loader)(
-        model=model,
-        args=args,
-        train_dataset=columns,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        callbacks=[callback],
-    )
-    strategy.prepare_hf_trainer(trainer)
-    output = trainer.train()
-    runtime.print0(f"trained as {type(trainer.model_wrapped).__name__} on {world} rank(s)")
-    if trainer.is_fsdp_enabled:
-        _save_sharded(trainer, model, peft_config, trained_model_dir(out))
-    else:
-        trainer.save_model(str(trained_model_dir(out)))
+
+
+def _train_metrics(output: Any, callback: ProgressCallback, trainer: Any) -> dict[str, float]:
+    """`train_*` metrics: the last logged step's, the Trainer's totals and our timings."""
     last = callback.history[max(callback.history)] if callback.history else {}
     summary = {k: float(v) for k, v in output.metrics.items() if k.startswith("train_")}
     summary.pop("train_loss", None)  # the run's mean; the last logged loss says more
@@ -378,12 +342,62 @@ def train(
     summary["train_data_wait_s"] = trainer.data_wait_s
     if "num_tokens" in last:
         summary["train_tokens_per_s"] = last["num_tokens"] / summary["train_runtime"]
+    return {f"train_{k}": v for k, v in last.items()} | summary
+
+
+def train(
+    job: SFTJob,
+    strategy: Strategy,
+    *,
+    output_dir: str,
+    mlflow_run_id: str | None = None,
+    resume_from: str | None = None,
+) -> TrainResult:
+    """Fine-tune on this rank with `SFTTrainer`; save the trained weights (rank 0 writes)."""
+    from trl import SFTTrainer
+
+    if resume_from is not None:
+        raise ValueError("resume_from: the SFT workload does not resume from checkpoints yet")
+    datasets.disable_progress_bars()
+    config = job.config
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(config.tokenizer_path())
+    model = build_causal_lm(config.model, tokenizer, seed=config.training.seed)
+    if runtime.is_rank_zero() and is_tiny(config.model):
+        model.save_pretrained(initial_model_dir(out))
+        tokenizer.save_pretrained(initial_model_dir(out))
+    callback = ProgressCallback(
+        metrics_sink(mlflow_run_id, runtime.is_rank_zero()), out, config.max_steps
+    )
+    peft_config = _lora_config(config)
+    # SFTTrainer wants a dataset when it is built (it checks the columns and peeks at a row);
+    # the rows it trains on come from this rank's loader, through `get_train_dataloader`.
+    columns = datasets.Dataset.from_dict(
+        {"input_ids": [[tokenizer.pad_token_id]], "labels": [[-100]]}
+    )
+    trainer = _on_rank(SFTTrainer, train_loader(job, tokenizer.pad_token_id))(
+        model=model,
+        args=_trainer_config(config, strategy, model, out),
+        train_dataset=columns,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[callback],
+    )
+    strategy.prepare_hf_trainer(trainer)
+    output = trainer.train()
+    wrapped_as = type(trainer.model_wrapped).__name__
+    runtime.print0(f"trained as {wrapped_as} on {runtime.get_world_size()} rank(s)")
+    if trainer.is_fsdp_enabled:
+        _save_sharded(trainer, model, peft_config, trained_model_dir(out))
+    else:
+        trainer.save_model(str(trained_model_dir(out)))
     return TrainResult(
         technique=strategy.name,
         world_size=runtime.get_world_size(),
-        wrapped_as=type(trainer.model_wrapped).__name__,
+        wrapped_as=wrapped_as,
         steps=output.global_step,
-        metrics={f"train_{k}": v for k, v in last.items()} | summary,
+        metrics=_train_metrics(output, callback, trainer),
         history=callback.history,
         checkpoint_uri=None,
         model_uri=trained_model_dir(out).resolve().as_uri(),
