@@ -87,6 +87,7 @@ def pipeline_step(steps: int, gpus: int) -> dict[str, float]:
             model_fn=sft.build_model,
             config=sft.SFTJob(config=config, data=data),
             output_dir=str(trainflow_home() / "outputs" / "sft-benchmark" / run_id),
+            framework="hf",
             mlflow_run_id=run_id,
         )
         result = launch(

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 from streaming.base.storage import CloudDownloader
 from streaming.base.storage.upload import CloudUploader
 
@@ -76,22 +77,12 @@ def read_manifest(uri: str) -> dict[str, Any] | None:
         return json.loads(Path(local).read_text())
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_temps(final: Path) -> None:
     """Delete temp directories of earlier attempts on this host whose process has died."""
     prefix = f".{final.name}.tmp-{socket.gethostname()}-"
     for candidate in final.parent.glob(prefix + "*"):
         pid = candidate.name[len(prefix) :].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             logger.info("removing %s left by a crashed run (pid %s)", candidate, pid)
             shutil.rmtree(candidate, ignore_errors=True)
 
