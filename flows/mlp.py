@@ -27,8 +27,8 @@ def mlp(config: MLPConfig = MLPConfig()) -> PipelineResult:
     with tracked_run(MLP, config) as run:
         trained = train(run, config)
         evaluation = evaluate(run, trained)
-        version = register(run, config, evaluation, trained)
-    return finish(run, config, trained, evaluation, version)
+        registration = register(run, config, evaluation, trained)
+    return finish(run, config, trained, evaluation, registration)
 
 
 def main(argv: list[str] | None = None) -> PipelineResult:

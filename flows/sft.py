@@ -45,11 +45,11 @@ def sft(config: SFTConfig = load_sft_preset("debug_cpu")) -> SFTResult:
         "base_model": config.model,
         "lora": str(config.lora).lower(),
     }
-    with tracked_run(SFT, config, lineage) as run:
-        trained = train(run, config, SFTJob(config=config, data=data))
+    with tracked_run(SFT, config, lineage, job=SFTJob(config=config, data=data)) as run:
+        trained = train(run, config)
         evaluation = evaluate(run, trained)
-        version = register(run, config, evaluation, trained)
-    return finish(run, config, trained, evaluation, version, SFTResult, dataset_uri=data.uri)
+        registration = register(run, config, evaluation, trained)
+    return finish(run, config, trained, evaluation, registration, SFTResult, dataset_uri=data.uri)
 
 
 SUMMARY_METRICS = [

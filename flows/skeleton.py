@@ -1,10 +1,10 @@
 """The pipeline skeleton every flow is made of: tracked run -> train -> evaluate -> register.
 
-    with tracked_run(WORKLOADS["mlp"], config) as run:      # MLflow run, lineage, output folder
-        trained = train(run, config)                         # the technique's subflow
-        evaluation = evaluate(run, config, trained)          # held-out metrics
-        version = register(run, config, evaluation, trained) # gate, then version (and alias)
-    return finish(run, config, trained, evaluation, version)
+    with tracked_run(WORKLOADS["mlp"], config) as run:       # MLflow run, lineage, output folder
+        trained = train(run, config)                          # the technique's subflow
+        evaluation = evaluate(run, trained)                   # held-out metrics
+        registration = register(run, config, evaluation, trained)  # gate, version, alias
+    return finish(run, config, trained, evaluation, registration)
 
 A failed, timed-out or cancelled step leaves the MLflow run FAILED or KILLED and registers
 nothing (`trainflow.tracking.pipeline_run`).
@@ -16,7 +16,7 @@ import contextvars
 import io
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,25 +56,36 @@ class PipelineResult(BaseModel):
     tracking_uri: str = Field(description="MLflow store the run was logged to.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrackedRun:
-    """One pipeline run: its workload, MLflow run, lineage tags and output folder."""
+    """One pipeline run: its workload, what its ranks get, MLflow run, lineage, output folder."""
 
     workload: WorkloadSpec
+    job: Any
     run_id: str
     output_dir: Path
     lineage: dict[str, str]
-    job: Any = None
-    failures: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
         return self.workload.name
 
 
+@dataclass(frozen=True)
+class Registration:
+    """What the gate decided: the version (None: not registered), why it failed, the alias."""
+
+    version: str | None
+    failures: list[str]
+    alias: str | None
+
+
 @contextlib.contextmanager
 def tracked_run(
-    workload: WorkloadSpec, config: Any, lineage: Mapping[str, str] | None = None
+    workload: WorkloadSpec,
+    config: Any,
+    lineage: Mapping[str, str] | None = None,
+    job: Any = None,
 ) -> Iterator[TrackedRun]:
     """Open the pipeline's MLflow run (config as params, lineage as tags) and output folder.
 
@@ -82,6 +93,8 @@ def tracked_run(
         workload: The registered workload the pipeline runs.
         config: The pipeline's config (has `technique` and `experiment_name`).
         lineage: Extra lineage tags (dataset, base model, ...), also put on the model version.
+        job: What the ranks and the evaluation receive, when more than the config (the SFT job
+            adds its prepared dataset).
     """
     technique = config.technique.name
     tags = {
@@ -98,18 +111,11 @@ def tracked_run(
     ) as run_id:
         output_dir = trainflow_home() / "outputs" / workload.name / run_id
         output_dir.mkdir(parents=True, exist_ok=True)
-        yield TrackedRun(workload, run_id, output_dir, tags)
+        yield TrackedRun(workload, config if job is None else job, run_id, output_dir, tags)
 
 
-def train(run: TrackedRun, config: Any, job: Any = None) -> TrainResult:
-    """Train on the config's ranks with its technique's subflow; show progress and the loss.
-
-    Args:
-        run: The tracked run.
-        config: The pipeline's config (technique, resources).
-        job: What the ranks receive when more than the config (the SFT job adds its data).
-    """
-    run.job = config if job is None else job
+def train(run: TrackedRun, config: Any) -> TrainResult:
+    """Train on the config's ranks with its technique's subflow; show progress and the loss."""
     workload = Workload(
         train_fn=run.workload.ref("train"),
         model_fn=run.workload.ref("build_model"),
@@ -137,26 +143,27 @@ def evaluate(run: TrackedRun, trained: TrainResult) -> Evaluation:
 
 def register(
     run: TrackedRun, config: Any, evaluation: Evaluation, trained: TrainResult
-) -> str | None:
-    """Check the gate, then log and register the model; returns the version (None: refused).
+) -> Registration:
+    """Check the gate, then log and register the model.
 
     A workload without an alias registers only a model that passes the gate; one with an
     alias (SFT's `champion`) registers every finished run and moves the alias only past it.
     """
-    run.failures = gate_failures(config.gate(), evaluation.metrics)
+    failures = gate_failures(config.gate(), evaluation.metrics)
     alias = run.workload.alias
-    for failure in run.failures:
+    for failure in failures:
         outcome = f"no {alias} alias" if alias else "not registered"
         print(f"gate not passed: {failure}; {outcome}")
-    if run.failures and alias is None:
-        return None
+    if failures and alias is None:
+        return Registration(None, failures, None)
     tags = run.lineage | {
         "mlflow_run_id": run.run_id,
         "world_size": str(trained.world_size),
         "checkpoint_uri": trained.checkpoint_uri or "",
     }
-    alias_to_set = alias if not run.failures else None
-    return _register_model(run, config.registered_model_name, evaluation, tags, alias_to_set)
+    given = alias if not failures else None
+    version = _register_model(run, config.registered_model_name, evaluation, tags, given)
+    return Registration(version, failures, given)
 
 
 @task(name="register-model", cache_policy=NO_CACHE)
@@ -179,15 +186,16 @@ def finish(
     config: Any,
     trained: TrainResult,
     evaluation: Evaluation,
-    version: str | None,
+    registration: Registration,
     result_type: type[R] = PipelineResult,  # type: ignore[assignment]
     **extra: Any,
 ) -> R:
     """Publish the run's summary artifact and return the pipeline's result."""
     metrics = trained.metrics | evaluation.metrics
+    version, passed = registration.version, not registration.failures
     model = f"{config.registered_model_name} v{version}" if version else "not registered"
     if version and run.workload.alias:
-        model += f" ({run.workload.alias})" if not run.failures else " (gate not passed: no alias)"
+        model += f" ({registration.alias})" if passed else " (gate not passed: no alias)"
     publish_summary(
         f"{run.name}-summary",
         title=f"{run.workload.title} pipeline",
@@ -201,8 +209,8 @@ def finish(
         technique=config.technique.name,
         registered_model_name=config.registered_model_name,
         model_version=version,
-        champion=version is not None and not run.failures,
-        alias=run.workload.alias if version is not None and not run.failures else None,
+        champion=version is not None and passed,
+        alias=registration.alias,
         prefect_flow_run_id=run.lineage["prefect_flow_run_id"],
         checkpoint_uri=trained.checkpoint_uri,
         metrics=metrics,

@@ -29,8 +29,8 @@ def transformer(config: TransformerConfig = TransformerConfig()) -> PipelineResu
     with tracked_run(TRANSFORMER, config) as run:
         trained = train(run, config)
         evaluation = evaluate(run, trained)
-        version = register(run, config, evaluation, trained)
-    return finish(run, config, trained, evaluation, version)
+        registration = register(run, config, evaluation, trained)
+    return finish(run, config, trained, evaluation, registration)
 
 
 def main(argv: list[str] | None = None) -> PipelineResult:
