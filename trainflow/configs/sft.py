@@ -13,7 +13,12 @@ from trainflow.data.config import REPO_ROOT, ChatTransform, DataConfig, Prepared
 from trainflow.gate import Threshold, gate_failures
 from trainflow.paths import SafeName
 from trainflow.resources import Resources
-from trainflow.strategies.config import DDPConfig, FSDPConfig, OptimizerConfig, TechniqueConfig
+from trainflow.strategies.config import (
+    DDPConfig,
+    OptimizerConfig,
+    TechniqueConfig,
+    check_framework,
+)
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets" / "sft"
 SHIPPED_TOKENIZER = str(REPO_ROOT / "data" / "tokenizer")
@@ -127,11 +132,7 @@ class SFTConfig(Resources):
     @model_validator(mode="after")
     def _check(self) -> "SFTConfig":
         self.technique.check_world_size(self.gpus)
-        if isinstance(self.technique, FSDPConfig) and self.technique.replicate_degree != 1:
-            raise ValueError(
-                "technique.replicate_degree: the Trainer's FSDP shards over all ranks; "
-                "use replicate_degree=1"
-            )
+        check_framework(self.technique, "hf")  # SFT trains with the Hugging Face Trainer
         known = sorted(p.stem for p in DATA_PRESETS_DIR.glob("*.yaml"))
         if self.dataset not in known and "/" not in self.dataset:
             raise ValueError(
