@@ -87,7 +87,7 @@ class Resources(BaseModel):
     Pipeline configs subclass it, so its fields are top-level options of every pipeline.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     gpus: int = Field(default=2, ge=1, description="Ranks in total (GPUs, or CPU processes).")
     gpu_type: str | None = Field(

@@ -31,9 +31,7 @@ class MLPConfig(Resources):
         "mlp", description="MLflow registered model to add a version to (letters, digits, ._-)."
     )
     min_r2: float = Field(
-        0.5,
-        allow_inf_nan=False,
-        description="Register only when held-out R^2 reaches this (the model learned).",
+        0.5, description="Register only when held-out R^2 reaches this (the model learned)."
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Process-group backend; auto is nccl on GPUs and gloo on CPU."

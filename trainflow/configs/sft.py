@@ -26,13 +26,21 @@ SHIPPED_TOKENIZER = str(REPO_ROOT / "data" / "tokenizer")
 TINY_MODELS = ("tiny-llama", "tiny-gpt-oss")
 
 
+# What a local dataset file looks like (a Hub id is `owner/name`, a preset a bare name).
+_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def _looks_like_a_file(dataset: str) -> bool:
+    return dataset.startswith(("/", "./", "../", "~")) or dataset.endswith(_FILE_SUFFIXES)
+
+
 def is_tiny(name: str) -> bool:
     """True when `name` is a tiny architecture built from a config (no pretrained weights)."""
     return name in TINY_MODELS
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class LoraSettings(_Model):
@@ -99,8 +107,8 @@ class SFTConfig(Resources):
     )
     dataset: str = Field(
         default="instructions",
-        description="A data preset (e.g. instructions) or a Hub chat dataset with a 'messages' "
-        "column, e.g. trl-lib/Capybara.",
+        description="A data preset (e.g. instructions), a local JSONL/JSON/CSV/Parquet file of "
+        "chats with a 'messages' column, or a Hub chat dataset, e.g. trl-lib/Capybara.",
     )
     max_length: int = Field(default=64, ge=8, description="Longest conversation in tokens.")
     validation_fraction: float = Field(
@@ -134,10 +142,13 @@ class SFTConfig(Resources):
         self.technique.check_world_size(self.gpus)
         check_framework(self.technique, "hf")  # SFT trains with the Hugging Face Trainer
         known = sorted(p.stem for p in DATA_PRESETS_DIR.glob("*.yaml"))
-        if self.dataset not in known and "/" not in self.dataset:
+        if _looks_like_a_file(self.dataset):
+            if not Path(self.dataset).expanduser().is_file():
+                raise ValueError(f"dataset file {self.dataset!r} does not exist")
+        elif self.dataset not in known and "/" not in self.dataset:
             raise ValueError(
-                f"dataset {self.dataset!r} is neither a data preset {known} nor a Hub id "
-                "(owner/name)"
+                f"dataset {self.dataset!r} is neither a data preset {known}, a local file nor a "
+                "Hub id (owner/name)"
             )
         return self
 
@@ -161,10 +172,15 @@ class SFTConfig(Resources):
                 update={"tokenizer": self.tokenizer_path(), "max_length": self.max_length}
             )
             return data.model_copy(update={"transform": transform})
+        if _looks_like_a_file(self.dataset):
+            path = Path(self.dataset).expanduser()
+            name, source = path.stem, {"kind": "files", "files": {"train": [str(path)]}}
+        else:
+            name, source = self.dataset.replace("/", "--"), {"kind": "hub", "name": self.dataset}
         return DataConfig.model_validate(
             {
-                "name": self.dataset.replace("/", "--"),
-                "source": {"kind": "hub", "name": self.dataset},
+                "name": name,
+                "source": source,
                 "splits": ["train"],
                 "validation": {"fraction": self.validation_fraction},
                 "transform": {

@@ -11,7 +11,7 @@ from trainflow.strategies.config import FSDPConfig, OptimizerConfig, TechniqueCo
 class ModelConfig(BaseModel):
     """Transformer shape; the defaults give about 10M parameters."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     vocab_size: int = Field(default=1024, ge=2, description="Token vocabulary size.")
     seq_len: int = Field(default=32, ge=1, description="Tokens per sequence.")
@@ -33,7 +33,7 @@ class ModelConfig(BaseModel):
 class SyntheticDataConfig(BaseModel):
     """The synthetic classification task."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_key_tokens: int = Field(default=8, ge=1, description="Key tokens per class.")
     signal: float = Field(
@@ -50,7 +50,7 @@ class SyntheticDataConfig(BaseModel):
 class TrainingConfig(BaseModel):
     """Steps, batches, optimizer and cadence."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_steps: int = Field(default=60, ge=1, description="Optimizer steps.")
     global_batch_size: int = Field(

@@ -31,7 +31,7 @@ FRAMEWORKS: dict[str, str] = {
 class OptimizerConfig(BaseModel):
     """AdamW, the optimizer every technique builds for the wrapped model."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     learning_rate: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW decoupled weight decay.")
@@ -40,7 +40,7 @@ class OptimizerConfig(BaseModel):
 
 
 class _Technique(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     def check_world_size(self, world_size: int) -> None:
         """Raise `ValueError` if the technique cannot run on `world_size` ranks."""
