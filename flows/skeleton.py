@@ -35,6 +35,8 @@ from tasks.reporting import publish_summary
 from trainflow import tracking
 from trainflow.gate import gate_failures
 from trainflow.paths import trainflow_home
+from trainflow.resources import resolve_resources
+from trainflow.strategies.config import check_framework
 from trainflow.strategies.job import TrainResult, Workload
 from trainflow.workloads import Evaluation, WorkloadSpec
 
@@ -96,6 +98,7 @@ def tracked_run(
         job: What the ranks and the evaluation receive, when more than the config (the SFT job
             adds its prepared dataset).
     """
+    preflight(workload, config)
     technique = config.technique.name
     tags = {
         "technique": technique,
@@ -112,6 +115,16 @@ def tracked_run(
         output_dir = trainflow_home() / "outputs" / workload.name / run_id
         output_dir.mkdir(parents=True, exist_ok=True)
         yield TrackedRun(workload, config if job is None else job, run_id, output_dir, tags)
+
+
+def preflight(workload: WorkloadSpec, config: Any) -> None:
+    """Refuse, before the MLflow run exists, what cannot run here: GPUs this machine lacks, or
+    a technique the workload's framework cannot use on the resolved device.
+
+    The technique subflow checks again with the model itself (built on the meta device).
+    """
+    plan = resolve_resources(config.gpus, config.gpu_type, config.nnodes)
+    check_framework(config.technique, workload.framework, device_type=plan.device)
 
 
 def train(run: TrackedRun, config: Any) -> TrainResult:

@@ -7,6 +7,7 @@ the command line, the UI and deployments validate input in one place.
 
 import argparse
 import json
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -236,7 +237,9 @@ def run_pipeline(
         presets: `--preset NAME` choices, each giving a starting config.
         summary_metrics: Metrics to print at the end, in order (None: all).
     """
-    result = flow(pipeline_config(flow, defaults, argv, doc, presets))
+    config = pipeline_config(flow, defaults, argv, doc, presets)
+    _check_machine(flow, config)
+    result = flow(config)
     if result.model_version is None:
         model = "not registered (gate failed)"
     else:
@@ -258,6 +261,23 @@ def run_pipeline(
         {k: metrics[k] for k in shown if k in metrics},
     )
     return result
+
+
+def _check_machine(flow: Any, config: BaseModel) -> None:
+    """Exit as a usage error, before anything starts, if this machine cannot run the ranks.
+
+    A GPU type or count the machine does not have fails here in a second, before the local
+    Prefect server starts or an MLflow run exists.
+    """
+    from trainflow.resources import ResourceError, Resources, resolve_resources
+
+    if not isinstance(config, Resources):
+        return
+    try:
+        resolve_resources(config.gpus, config.gpu_type, config.nnodes)
+    except ResourceError as exc:
+        print(f"python -m flows.{flow.name}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def print_summary(title: str, rows: dict[str, str], metrics: dict[str, float]) -> None:
