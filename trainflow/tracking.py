@@ -25,17 +25,55 @@ def tracking_uri() -> str:
 
 def _artifact_location(experiment: str) -> str | None:
     """For a SQLite store, keep artifacts beside the database, not in the working directory."""
-    uri = tracking_uri()
-    if not uri.startswith("sqlite:///"):
+    db = _sqlite_path(tracking_uri())
+    if db is None:
         return None  # a tracking server decides
-    db = Path(uri.removeprefix("sqlite:///")).expanduser().resolve()
     return (db.parent / "mlartifacts" / safe_name(experiment, "experiment")).as_uri()
 
 
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:///` store, else None (a server manages its own)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri.removeprefix("sqlite:///")).expanduser().resolve()
+
+
+@contextlib.contextmanager
+def store_lock() -> Iterator[None]:
+    """Hold the MLflow store's inter-process lock (a no-op for a tracking server).
+
+    SQLite stores are created and migrated by whichever process opens them first, and two
+    pipelines started together on a fresh store race there; so do two that create the same
+    experiment. Both happen under this lock (a file beside the database).
+    """
+    db = _sqlite_path(tracking_uri())
+    if db is None:
+        yield
+        return
+    from filelock import FileLock
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{db}.lock", timeout=600):
+        yield
+
+
+_READY: set[str] = set()
+
+
 def _client() -> Any:
+    """A client of the configured store; the first one per process creates the store (locked)."""
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri())
+    uri = tracking_uri()
+    if uri in _READY:
+        return MlflowClient(tracking_uri=uri)
+    with store_lock():
+        # Opening the tracking and registry stores creates or migrates the schema.
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)
+        client.search_registered_models(max_results=1)
+    _READY.add(uri)
+    return client
 
 
 class MetricsSink(Protocol):
@@ -151,12 +189,15 @@ def pipeline_run(
 
     mlflow.set_tracking_uri(tracking_uri())
     client = _client()
-    found = client.get_experiment_by_name(experiment)
-    experiment_id = (
-        found.experiment_id
-        if found
-        else client.create_experiment(experiment, artifact_location=_artifact_location(experiment))
-    )
+    with store_lock():  # two runs starting together must not both create the experiment
+        found = client.get_experiment_by_name(experiment)
+        experiment_id = (
+            found.experiment_id
+            if found
+            else client.create_experiment(
+                experiment, artifact_location=_artifact_location(experiment)
+            )
+        )
     run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
     run_id = run.info.run_id
     from mlflow.entities import Param
@@ -202,7 +243,8 @@ def register_pytorch_model(
     import mlflow
 
     mlflow.set_tracking_uri(tracking_uri())
-    with mlflow.start_run(run_id=run_id):
+    # Versions are numbered by the store: pipelines finishing together register one at a time.
+    with store_lock(), mlflow.start_run(run_id=run_id):
         info = mlflow.pytorch.log_model(
             model,
             name="model",
@@ -235,7 +277,7 @@ def register_transformers_model(
     import mlflow
 
     mlflow.set_tracking_uri(tracking_uri())
-    with mlflow.start_run(run_id=run_id):
+    with store_lock(), mlflow.start_run(run_id=run_id):
         info = mlflow.transformers.log_model(
             transformers_model={"model": model, "tokenizer": tokenizer},
             name="model",

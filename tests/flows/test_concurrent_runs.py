@@ -1,0 +1,42 @@
+"""Pipelines started together on a fresh MLflow store all complete (issue: the store's schema
+migration and the experiment's creation raced, and all but one run died)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_three_pipelines_started_together_on_a_fresh_store_all_register(prefect_api, tmp_path):
+    store = tmp_path / "fresh" / "mlflow.db"
+    assert not store.exists()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
+    args = ["--num-epochs", "1", "--registered-model-name", "mlp-together"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "flows.mlp", *args],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out[-3000:]
+
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    versions = client.search_model_versions("name='mlp-together'")
+    assert sorted(int(v.version) for v in versions) == [1, 2, 3]
+    assert len({v.run_id for v in versions}) == 3
+    experiment = client.get_experiment_by_name("mlp")
+    runs = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3
