@@ -35,7 +35,7 @@ from tasks.reporting import publish_summary
 from trainflow import tracking
 from trainflow.gate import gate_failures
 from trainflow.paths import trainflow_home
-from trainflow.resources import resolve_resources
+from trainflow.resources import check_cpu_oversubscription, resolve_resources
 from trainflow.strategies.config import check_framework
 from trainflow.strategies.job import TrainResult, Workload
 from trainflow.workloads import Evaluation, WorkloadSpec
@@ -118,12 +118,14 @@ def tracked_run(
 
 
 def preflight(workload: WorkloadSpec, config: Any) -> None:
-    """Refuse, before the MLflow run exists, what cannot run here: GPUs this machine lacks, or
-    a technique the workload's framework cannot use on the resolved device.
+    """Refuse, before the MLflow run exists, what cannot run here: GPUs this machine lacks, far
+    more CPU ranks than cores, or a technique the workload's framework cannot use on the
+    resolved device.
 
     The technique subflow checks again with the model itself (built on the meta device).
     """
     plan = resolve_resources(config.gpus, config.gpu_type, config.nnodes)
+    check_cpu_oversubscription(plan)
     check_framework(config.technique, workload.framework, device_type=plan.device)
 
 

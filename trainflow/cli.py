@@ -269,12 +269,17 @@ def _check_machine(flow: Any, config: BaseModel) -> None:
     A GPU type or count the machine does not have fails here in a second, before the local
     Prefect server starts or an MLflow run exists.
     """
-    from trainflow.resources import ResourceError, Resources, resolve_resources
+    from trainflow.resources import (
+        ResourceError,
+        Resources,
+        check_cpu_oversubscription,
+        resolve_resources,
+    )
 
     if not isinstance(config, Resources):
         return
     try:
-        resolve_resources(config.gpus, config.gpu_type, config.nnodes)
+        check_cpu_oversubscription(resolve_resources(config.gpus, config.gpu_type, config.nnodes))
     except ResourceError as exc:
         print(f"python -m flows.{flow.name}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -125,6 +125,39 @@ class LaunchPlan:
         return self.nproc_per_node * self.nnodes
 
 
+# CPU ranks beyond this many per core are refused before launch: each rank is a full process
+# with its own model copy, and past it a run spends its time switching, not training.
+MAX_CPU_RANKS_PER_CORE = 4
+
+
+def check_cpu_oversubscription(plan: "LaunchPlan", cores: int | None = None) -> None:
+    """Warn when CPU ranks outnumber this node's cores; refuse far beyond that.
+
+    Args:
+        plan: A resolved launch plan (only CPU plans are checked).
+        cores: Cores on this node; `os.cpu_count()` when not given.
+
+    Raises:
+        ResourceError: more than `MAX_CPU_RANKS_PER_CORE` ranks per core.
+    """
+    if plan.device != "cpu":
+        return
+    cores = cores or os.cpu_count() or 1
+    limit = MAX_CPU_RANKS_PER_CORE * cores
+    if plan.nproc_per_node > limit:
+        raise ResourceError(
+            f"gpus={plan.world_size} would start {plan.nproc_per_node} CPU ranks on a node with "
+            f"{cores} cores; at most {limit} ({MAX_CPU_RANKS_PER_CORE} per core) are allowed. "
+            "Ask for fewer ranks, or for GPUs."
+        )
+    if plan.nproc_per_node > cores:
+        logger.warning(
+            "%d CPU ranks on %d cores: ranks will compete for cores (correct, but slow)",
+            plan.nproc_per_node,
+            cores,
+        )
+
+
 def _tokens(name: str) -> list[str]:
     return [t for t in re.split(r"[\s\-_/]+", name.upper()) if t]
 

@@ -47,3 +47,19 @@ def test_flow_refuses_before_the_mlflow_run_exists(prefect_api):
     experiment = client.get_experiment_by_name("mlp")
     assert experiment is None or client.search_runs([experiment.experiment_id]) == []
     assert not (trainflow_home() / "runs").exists()
+
+
+def test_command_line_refuses_far_more_cpu_ranks_than_cores(tmp_path):
+    ranks = 4 * (os.cpu_count() or 1) + 1
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.mlp", "--gpu-type", "cpu", "--gpus", str(ranks)]
+        + ["--num-train-samples", str(64 * ranks)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "MLFLOW_TRACKING_URI": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert f"gpus={ranks} would start {ranks} CPU ranks" in proc.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -107,3 +107,26 @@ def test_this_machine_without_gpus_rejects_a_gpu_type(monkeypatch):
         ResourceError, match="gpu_type='H100' requested, but this machine has no GPU"
     ):
         f.distributed()
+
+
+def test_cpu_ranks_far_beyond_the_cores_are_refused_naming_the_count():
+    from trainflow.resources import check_cpu_oversubscription
+
+    with pytest.raises(ResourceError, match=r"gpus=16 would start 16 CPU ranks .* 2 cores"):
+        check_cpu_oversubscription(resolve_resources(16, "cpu"), cores=2)
+    check_cpu_oversubscription(resolve_resources(8, "cpu"), cores=2)  # 4 per core: allowed
+
+
+def test_cpu_ranks_beyond_the_cores_warn(caplog):
+    from trainflow.resources import check_cpu_oversubscription
+
+    check_cpu_oversubscription(resolve_resources(2, "cpu"), cores=2)
+    assert "compete for cores" not in caplog.text
+    check_cpu_oversubscription(resolve_resources(3, "cpu"), cores=2)
+    assert "3 CPU ranks on 2 cores" in caplog.text
+
+
+def test_gpu_ranks_are_not_counted_against_cpu_cores_with_mocked_gpus():
+    from trainflow.resources import check_cpu_oversubscription
+
+    check_cpu_oversubscription(resolve_resources(8, "H100", inventory=H100x8), cores=1)
