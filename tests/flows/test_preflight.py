@@ -22,16 +22,21 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_command_line_refuses_a_missing_gpu_type_at_once(tmp_path):
-    started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.mlp", "--gpu-type", "A100"],
-        cwd=tmp_path,
+def _mlp(cwd, *args: str) -> subprocess.CompletedProcess:
+    """`python -m flows.mlp ARGS` in `cwd`, with the default MLflow store (a file in `cwd`)."""
+    return subprocess.run(
+        [sys.executable, "-m", "flows.mlp", *args],
+        cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "MLFLOW_TRACKING_URI": ""},
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_command_line_refuses_a_missing_gpu_type_at_once(tmp_path):
+    started = time.monotonic()
+    proc = _mlp(tmp_path, "--gpu-type", "A100")
     elapsed = time.monotonic() - started
     assert proc.returncode == 2
     assert "python -m flows.mlp: error: gpu_type='A100' requested" in proc.stderr
@@ -51,14 +56,8 @@ def test_flow_refuses_before_the_mlflow_run_exists(prefect_api):
 
 def test_command_line_refuses_far_more_cpu_ranks_than_cores(tmp_path):
     ranks = 4 * (os.cpu_count() or 1) + 1
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.mlp", "--gpu-type", "cpu", "--gpus", str(ranks)]
-        + ["--num-train-samples", str(64 * ranks)],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "MLFLOW_TRACKING_URI": ""},
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = _mlp(
+        tmp_path, "--gpu-type", "cpu", "--gpus", str(ranks), "--num-train-samples", str(64 * ranks)
     )
     assert proc.returncode == 2
     assert f"gpus={ranks} would start {ranks} CPU ranks" in proc.stderr
