@@ -40,7 +40,11 @@ def wait_until_serving(url: str, proc: subprocess.Popen, timeout_s: float, what:
 def _isolated_state(tmp_path, monkeypatch):
     """Each test gets its own trainflow home and MLflow store; nothing leaks between tests."""
     monkeypatch.setenv("TRAINFLOW_HOME", str(tmp_path / "trainflow-home"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    if "mlflow" in sys.modules:
+        # MLflow keeps the URI an earlier in-process run set; point it at this test's store.
+        sys.modules["mlflow"].set_tracking_uri(store)
     monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
