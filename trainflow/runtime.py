@@ -68,9 +68,14 @@ def get_device() -> torch.device:
     return torch.device("cpu")
 
 
+def backend_for(device_type: str) -> str:
+    """The process-group backend for ranks on `device_type`: nccl on CUDA, gloo otherwise."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
 def default_backend() -> str:
     """nccl for CUDA ranks, gloo for CPU ranks."""
-    return "nccl" if get_device().type == "cuda" else "gloo"
+    return backend_for(get_device().type)
 
 
 def init_process_group(backend: str | None = None, timeout_s: float = 600.0) -> None:

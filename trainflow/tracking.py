@@ -95,22 +95,26 @@ class NullSink:
 class MlflowSink:
     """Sends metrics to an existing MLflow run with MLflow's asynchronous logging.
 
-    MLflow queues the calls and batches them in a background thread, so a training step never
-    waits on the tracking store; `flush` waits until everything logged so far is stored.
+    MLflow queues the calls and batches them in a background thread, so a training step seldom
+    waits on the tracking store; `flush` waits until everything logged so far is stored, and
+    happens by itself every `flush_every` calls so the pending operations stay bounded.
     """
 
-    def __init__(self, run_id: str):
+    def __init__(self, run_id: str, flush_every: int = 100):
         from mlflow.entities import Metric
 
         self._metric = Metric
         self.run_id = run_id
         self.client = _client()
+        self.flush_every = flush_every
         self.pending: list[Any] = []
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
         batch = [self._metric(k, float(v), now, step) for k, v in metrics.items()]
         self.pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
+        if len(self.pending) >= self.flush_every:
+            self.flush()
 
     def flush(self) -> None:
         pending, self.pending = self.pending, []

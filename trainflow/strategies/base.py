@@ -67,11 +67,6 @@ def adamw(params: Any, config: OptimizerConfig) -> torch.optim.Optimizer:
     )
 
 
-def process_group_backend(device_type: str) -> str:
-    """nccl for CUDA ranks, gloo for anything else."""
-    return "nccl" if device_type == "cuda" else "gloo"
-
-
 def gather_full_state_dict(module: nn.Module) -> dict[str, Any]:
     """The whole model's state dict on CPU, gathered from the shards of every rank.
 
@@ -160,7 +155,7 @@ class Strategy(ABC):
         check_framework(self.config, "hf", device_type=device_type)
         args: dict[str, Any] = {"use_cpu": device_type != "cuda"}
         if runtime.get_world_size() > 1:
-            args["ddp_backend"] = process_group_backend(device_type)
+            args["ddp_backend"] = runtime.backend_for(device_type)
         return args | self._hf_technique_args(
             micro_batch_size=micro_batch_size,
             grad_accum_steps=grad_accum_steps,

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any, cast
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainflow.strategies.base import TorchStrategy, adamw, process_group_backend
+from trainflow import runtime
+from trainflow.strategies.base import TorchStrategy, adamw
 from trainflow.strategies.config import DDPConfig, OptimizerConfig
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class DDPStrategy(TorchStrategy):
 
         # Extra keywords go to DistributedDataParallel, as in `wrap`.
         return LightningDDPStrategy(
-            process_group_backend=process_group_backend(self.device.type),
+            process_group_backend=runtime.backend_for(self.device.type),
             bucket_cap_mb=self.config.bucket_cap_mb,
             find_unused_parameters=self.config.find_unused_parameters,
         )

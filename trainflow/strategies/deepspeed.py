@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainflow import runtime
-from trainflow.strategies.base import Strategy, process_group_backend
+from trainflow.strategies.base import Strategy
 from trainflow.strategies.config import DeepSpeedConfig, OptimizerConfig, deepspeed_json
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class DeepSpeedStrategy(Strategy):
             precision = DeepSpeedPrecision("32-true")
         return LightningDeepSpeedStrategy(
             config=config,
-            process_group_backend=process_group_backend(self.device.type),
+            process_group_backend=runtime.backend_for(self.device.type),
             precision_plugin=precision,
         )
 

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import (
 )
 
 from trainflow import runtime
-from trainflow.strategies.base import TorchStrategy, adamw, find_blocks, process_group_backend
+from trainflow.strategies.base import TorchStrategy, adamw, find_blocks
 from trainflow.strategies.config import FSDPConfig, OptimizerConfig
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ class FSDPStrategy(TorchStrategy):
         return ModelParallelStrategy(
             data_parallel_size=runtime.get_world_size(),
             tensor_parallel_size=1,
-            process_group_backend=process_group_backend(self.device.type),
+            process_group_backend=runtime.backend_for(self.device.type),
         )
 
     @contextlib.contextmanager

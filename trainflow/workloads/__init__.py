@@ -54,10 +54,13 @@ class WorkloadSpec:
 
 @dataclass
 class Evaluation:
-    """Held-out metrics, and the trained model they were computed on (for registration)."""
+    """Held-out metrics, and what registration needs from the same pass: the trained model
+    they were computed on and, where the workload takes it from the held-out data, an input
+    example."""
 
     metrics: dict[str, float]
     model: Any = field(default=None, repr=False)
+    input_example: Any = field(default=None, repr=False)
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {

@@ -35,7 +35,7 @@ from trainflow.data.tokenizer import load_tokenizer
 from trainflow.models.causal_lm import build_causal_lm
 from trainflow.strategies import Strategy, TechniqueConfig, build_strategy
 from trainflow.strategies.base import gather_full_state_dict
-from trainflow.strategies.job import TrainResult
+from trainflow.strategies.job import TrainResult, local_path
 from trainflow.tracking import (
     PROGRESS_FILE,
     MetricsSink,
@@ -430,11 +430,12 @@ def load_model(config: SFTConfig, output_dir: str | Path, *, trained: bool) -> P
 def evaluate(job: SFTJob, trained: TrainResult) -> Evaluation:
     """Held-out metrics of the trained model (`eval_*`) and of the untrained one (`untrained_*`).
 
-    The trained model is loaded once here and kept in the result for registration.
+    The trained model is loaded once here and kept in the result for registration, with the
+    first held-out prompt as its input example.
     """
-    from trainflow.evaluation import evaluate_causal_lm
+    from trainflow.evaluation import evaluate_causal_lm, split_prompt_answer
 
-    config, output_dir = job.config, Path(trained.model_uri.removeprefix("file://")).parent
+    config, output_dir = job.config, local_path(trained.model_uri).parent
     tokenizer = load_tokenizer(config.tokenizer_path())
     held_out = read_split(job.data.uri, "validation", config.evaluation.num_samples)
     e = config.evaluation
@@ -452,23 +453,15 @@ def evaluate(job: SFTJob, trained: TrainResult) -> Evaluation:
         )
         metrics |= {k.replace("eval", prefix, 1): v for k, v in scores.items()}
     metrics["eval_loss_ratio"] = metrics["eval_loss"] / metrics["untrained_loss"]
-    return Evaluation(metrics, model)
+    prompt, _ = split_prompt_answer(held_out["input_ids"][0], held_out["assistant_masks"][0])
+    return Evaluation(metrics, model, input_example=tokenizer.decode(prompt))
 
 
 def log_model(
     job: SFTJob, evaluation: Evaluation, run_id: str, name: str, tags: dict[str, str]
 ) -> str:
     """Log the trained model (LoRA merged) with `mlflow.transformers` and register it."""
-    config = job.config
-    tokenizer = load_tokenizer(config.tokenizer_path())
-    prompt = prompt_example(job)
-    return register_transformers_model(run_id, evaluation.model, tokenizer, name, prompt, tags)
-
-
-def prompt_example(job: SFTJob) -> str:
-    """The first held-out prompt as text (the registered model's input example)."""
-    from trainflow.evaluation import split_prompt_answer
-
-    row = read_split(job.data.uri, "validation", 1)
-    prompt, _ = split_prompt_answer(row["input_ids"][0], row["assistant_masks"][0])
-    return load_tokenizer(job.config.tokenizer_path()).decode(prompt)
+    tokenizer = load_tokenizer(job.config.tokenizer_path())
+    return register_transformers_model(
+        run_id, evaluation.model, tokenizer, name, evaluation.input_example, tags
+    )
