@@ -32,7 +32,9 @@ def mlp(config: MLPConfig = MLPConfig()) -> PipelineResult:
 
 
 def main(argv: list[str] | None = None) -> PipelineResult:
-    return run_pipeline(mlp, MLPConfig(), argv, __doc__)
+    from flows.local_server import local_prefect_server
+
+    return run_pipeline(mlp, MLPConfig(), argv, __doc__, server=local_prefect_server)
 
 
 if __name__ == "__main__":

@@ -29,5 +29,9 @@ def _config_from_args(argv: list[str] | None = None) -> DataConfig:
 
 
 if __name__ == "__main__":
-    result = prepare(_config_from_args(sys.argv[1:]))
+    from flows.local_server import local_prefect_server
+
+    config = _config_from_args(sys.argv[1:])
+    with local_prefect_server():
+        result = prepare(config)
     print(result.model_dump_json(indent=2))

@@ -68,8 +68,16 @@ def parse_args(argv: list[str] | None) -> SFTConfig:
 
 
 def main(argv: list[str] | None = None) -> SFTResult:
+    from flows.local_server import local_prefect_server
+
     return run_pipeline(  # type: ignore[no-any-return]
-        sft, load_sft_preset("debug_cpu"), argv, __doc__, PRESETS, SUMMARY_METRICS
+        sft,
+        load_sft_preset("debug_cpu"),
+        argv,
+        __doc__,
+        PRESETS,
+        SUMMARY_METRICS,
+        server=local_prefect_server,
     )
 
 

@@ -14,7 +14,10 @@ import base64
 import contextlib
 import contextvars
 import io
+import json
+import re
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +35,9 @@ from pydantic import BaseModel, Field
 
 from flows.techniques import techniques
 from tasks.reporting import publish_summary
-from trainflow import tracking
+from trainflow import checkpoint, tracking
 from trainflow.gate import gate_failures
-from trainflow.paths import trainflow_home
+from trainflow.paths import RUN_CONFIG_FILE, read_run_config, run_output_dir
 from trainflow.resources import check_cpu_oversubscription, resolve_resources
 from trainflow.strategies.config import check_framework
 from trainflow.strategies.job import TrainResult, Workload
@@ -100,9 +103,16 @@ def tracked_run(
     """
     preflight(workload, config)
     technique = config.technique.name
+    flow_run_id = str(flow_run.get_id())
+    # A retry of this flow run (same id) continues the MLflow run it started.
+    resume = config.resume or tracking.find_unfinished_run(
+        config.experiment_name, "prefect_flow_run_id", flow_run_id
+    )
+    if resume is not None:
+        check_resumable(workload, config, resume)
     tags = {
         "technique": technique,
-        "prefect_flow_run_id": str(flow_run.get_id()),
+        "prefect_flow_run_id": flow_run_id,
         "code_version": tracking.code_version(),
         **(lineage or {}),
     }
@@ -111,10 +121,36 @@ def tracked_run(
         run_name=f"{workload.name}-{technique}-{flow_run.get_name() or 'local'}",
         params=config.model_dump(),
         tags=tags,
+        resume_run_id=resume,
     ) as run_id:
-        output_dir = trainflow_home() / "outputs" / workload.name / run_id
+        output_dir = run_output_dir(workload.name, run_id)
         output_dir.mkdir(parents=True, exist_ok=True)
+        if resume is None:
+            saved = config.model_dump(mode="json", exclude={"resume"})
+            (output_dir / RUN_CONFIG_FILE).write_text(json.dumps(saved, indent=2))
+        verb = "continuing" if resume else "started"
+        print(
+            f"MLflow run {run_id} {verb} (experiment {config.experiment_name!r}); if it "
+            f"stops, continue it with: python -m flows.{workload.name} --resume {run_id}"
+        )
         yield TrackedRun(workload, config if job is None else job, run_id, output_dir, tags)
+
+
+def check_resumable(workload: WorkloadSpec, config: Any, run_id: str) -> None:
+    """Refuse to continue `run_id` with a config that trains something else.
+
+    Placement, recovery and checkpoint options may differ (a run moved to another machine);
+    the model, data and training options must be the run's own.
+    """
+    own = type(config).model_validate(read_run_config(workload.name, run_id))
+    mine, theirs = config.training_fields(), own.training_fields()
+    changed = [f"{k} ({theirs[k]!r} -> {mine[k]!r})" for k in mine if mine[k] != theirs.get(k)]
+    if changed:
+        raise ValueError(
+            f"resume {run_id}: these options differ from the run's own config: "
+            f"{', '.join(changed)}; a resumed run trains with its own config "
+            f"(the command line starts from it)"
+        )
 
 
 def preflight(workload: WorkloadSpec, config: Any) -> None:
@@ -131,6 +167,7 @@ def preflight(workload: WorkloadSpec, config: Any) -> None:
 
 def train(run: TrackedRun, config: Any) -> TrainResult:
     """Train on the config's ranks with its technique's subflow; show progress and the loss."""
+    checkpoints = run.output_dir / "checkpoints"
     workload = Workload(
         train_fn=run.workload.ref("train"),
         model_fn=run.workload.ref("build_model"),
@@ -139,13 +176,46 @@ def train(run: TrackedRun, config: Any) -> TrainResult:
         framework=run.workload.framework,
         backend=getattr(config, "backend", "auto"),
         mlflow_run_id=run.run_id,
+        # A relaunch (torch elastic restart, Prefect retry, --resume) continues from here.
+        resume_from=str(checkpoints),
     )
-    with _progress(run):
-        trained: TrainResult = techniques[config.technique.name](
-            workload=workload, technique=config.technique, resources=config.resources
-        )
+    checkpoint.remove_partial(checkpoints)
+    if (latest := checkpoint.latest_checkpoint(checkpoints)) is not None:
+        print(f"continuing training from {latest} (step {checkpoint.read_meta(latest)['step']})")
+    try:
+        with _progress(run):
+            trained: TrainResult = techniques[config.technique.name](
+                workload=workload, technique=config.technique, resources=config.resources
+            )
+    finally:
+        # A save the stop interrupted is never resumed from; do not leave it behind.
+        checkpoint.remove_partial(checkpoints)
+        _remove_stale_shared_memory()
     publish_loss_curve(run.name, run.run_id, trained.history)
     return trained
+
+
+def _remove_stale_shared_memory() -> None:
+    """Remove the data streams' shared memory that ranks stopped mid-epoch left behind.
+
+    `streaming` frees it only on a clean exit; ranks killed after their stop grace cannot.
+    Only memory no live process maps is removed, so other runs on the machine are safe; the
+    cleaner (which imports `streaming`) loads only when there is something to look at.
+    """
+    shm = Path("/dev/shm")
+
+    def streams_left() -> bool:
+        return shm.is_dir() and any(re.match(r"\d{6}_", p.name) for p in shm.iterdir())
+
+    if streams_left():
+        from trainflow.data.shm import GRACE_S, clean_stale_streaming_state
+
+        clean_stale_streaming_state()
+        if streams_left():
+            # What the ranks wrote just before they stopped is too young to be judged yet (it
+            # could be another run's, not mapped yet); look again once it is not.
+            time.sleep(GRACE_S)
+            clean_stale_streaming_state()
 
 
 @task(name="evaluate", task_run_name="evaluate-{run.name}", cache_policy=NO_CACHE)

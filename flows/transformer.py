@@ -34,7 +34,11 @@ def transformer(config: TransformerConfig = TransformerConfig()) -> PipelineResu
 
 
 def main(argv: list[str] | None = None) -> PipelineResult:
-    return run_pipeline(transformer, TransformerConfig(), argv, __doc__)
+    from flows.local_server import local_prefect_server
+
+    return run_pipeline(
+        transformer, TransformerConfig(), argv, __doc__, server=local_prefect_server
+    )
 
 
 if __name__ == "__main__":

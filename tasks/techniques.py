@@ -1,8 +1,11 @@
 """Run a workload with a technique: check it fits, then launch it on every rank."""
 
-from prefect import task
+from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import State
 
+from trainflow.errors import is_transient
 from trainflow.prefect_adapter import launch_logged
 from trainflow.strategies import TechniqueConfig
 from trainflow.strategies.job import (
@@ -14,15 +17,35 @@ from trainflow.strategies.job import (
 )
 
 
+def retry_if_transient(_task: Task, _run: TaskRun, state: State) -> bool:
+    """Retry what a relaunch can fix: a killed rank, a lost peer, a hang, a timeout, a
+    preemption. An error raised by the code or the config would only fail again."""
+    try:
+        state.result()
+    except Exception as exc:
+        return is_transient(exc)
+    return False
+
+
 @task(name="train-with-technique", cache_policy=NO_CACHE, persist_result=False)
+def _train_with_technique(
+    workload: Workload, technique: TechniqueConfig, resources: Resources
+) -> TrainResult:
+    check_before_launch(workload, technique, resources)
+    options = resources.launch_options()
+    return launch_logged(run_on_rank, (workload, technique), {}, options).values[0]
+
+
 def train_with_technique(
     workload: Workload, technique: TechniqueConfig, resources: Resources
 ) -> TrainResult:
     """Fail before any rank starts if the technique cannot train the workload, else train.
 
-    Not retried here: a rerun resumes only if the workload's `resume_from` points at its
-    checkpoints. Returns rank 0's result; rank output goes to this task's logs.
+    The training task is retried `resources.retries` times after a transient failure; each
+    attempt continues from the latest complete checkpoint under `workload.resume_from`.
+    Returns rank 0's result; rank output goes to the pipeline run's logs.
     """
-    check_before_launch(workload, technique, resources)
-    options = resources.launch_options()
-    return launch_logged(run_on_rank, (workload, technique), {}, options).values[0]
+    attempt = _train_with_technique.with_options(
+        retries=resources.retries, retry_condition_fn=retry_if_transient
+    )
+    return attempt(workload, technique, resources)

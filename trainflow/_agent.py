@@ -12,7 +12,9 @@ import threading
 import time
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.agent.server.api import WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -28,10 +30,23 @@ def _exit_with_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
+def _kill_workers(agent: LocalElasticAgent, worker_group: WorkerGroup) -> None:
+    """How the agent stops its workers after a failure or before a restart: SIGKILL.
+
+    Torch sends SIGTERM, but our ranks treat SIGTERM as a request to stop at the end of the
+    step (`runtime.should_stop`), which ranks waiting on a dead peer never reach: the agent
+    would wait its 30 s before it kills them. Ranks used to die on that SIGTERM at once, with
+    no cleanup; SIGKILL keeps that. A SIGTERM to the agent itself (a node shutdown, the
+    caller's Ctrl-C) still reaches the workers as SIGTERM, with `shutdown_timeout` to stop.
+    """
+    agent._shutdown(death_sig=signal.SIGKILL)
+
+
 def main(run_dir: str) -> int:
     rd = RunDir(Path(run_dir))
     spec = rd.read_spec()
     threading.Thread(target=_exit_with_parent, args=(spec["caller_pid"],), daemon=True).start()
+    LocalElasticAgent._stop_workers = _kill_workers  # type: ignore[method-assign]
 
     config = LaunchConfig(
         min_nodes=spec["nnodes"],
@@ -52,6 +67,10 @@ def main(run_dir: str) -> int:
     except ChildFailedError as exc:
         rd.agent_error.write_text(exc.format_msg())
         return 1
+    except SignalException as exc:
+        # Stopped from outside (the caller's Ctrl-C, a node shutdown): the agent has already
+        # given the workers `shutdown_timeout` to finish; exit as the signal would.
+        return 128 + int(exc.sigval)
     return 0
 
 

@@ -4,6 +4,7 @@ Torch elastic spawns this module's `main` on every rank; it must stay importable
 caller's code, so everything user-specific arrives through the run directory.
 """
 
+import faulthandler
 import os
 import signal
 import sys
@@ -49,10 +50,22 @@ def _error_record(exc: BaseException, rank: int, where: str) -> dict[str, Any]:
     }
 
 
+def _on_sigterm(signum: int, frame: object) -> None:
+    runtime.request_stop()
+
+
 def _reset_process_state() -> None:
-    """Undo what a forked rank inherits from the agent: its signal handlers and thread count."""
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    """Undo what a forked rank inherits from the agent: its signal handlers and thread count.
+
+    SIGTERM (a preemption, or the caller stopping the launch) only sets the flag
+    `runtime.should_stop()` reads: the training loop ends its step, writes a final checkpoint
+    and stops; whoever sent it sends SIGKILL after its grace period. SIGINT stays
+    KeyboardInterrupt (ranks are in the agent's session, so a terminal's Ctrl-C never reaches
+    them; the caller turns its own Ctrl-C into that SIGTERM).
+    """
+    for sig in (signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
@@ -66,11 +79,18 @@ def main(run_dir: str) -> None:
     rank = runtime.get_global_rank()
     os.environ.setdefault("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
     _redirect_output(rd.log_path(rank))
+    # SIGUSR1 writes every thread's Python stack to the rank's log, from the signal handler
+    # itself, so it works while the rank is stuck in C code (a collective, a sleep). The
+    # launcher sends it to a hung rank before stopping it.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rd.write_rank_process(rank, os.getpid(), attempt)  # after the SIGUSR1 handler is in place
     if attempt:
         print(f"--- restart attempt {attempt} ---", flush=True)
 
     spec = rd.read_spec()
+    os.environ[runtime.RUN_DIR_ENV] = str(rd.path)
+    os.environ[runtime.COLLECTIVE_TIMEOUT_ENV] = str(spec["collective_timeout_s"])
     for entry in reversed(spec["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)

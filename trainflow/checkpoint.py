@@ -1,17 +1,28 @@
-"""Checkpoint folders: one per step, complete only once rank 0 has written its marker.
+"""Checkpoint folders: written aside, published whole by one rename, the last K kept.
 
-    <root>/step_000100/   the technique's files (DCP shards or DeepSpeed's layout)
-                 meta.json   {"step": 100, "technique": "fsdp", "world_size": 2}
+    <root>/.step_000100.partial/   being written: never read, removed when found stale
+    <root>/step_000100/            complete: the technique's files (DCP shards or DeepSpeed's
+                                   layout), one `rank_<r>.state.pt` per rank (RNG streams and
+                                   data position) and `meta.json` {"step": 100, ...}
+    <root>/checkpoint-100/         the Hugging Face Trainer's own layout, complete once our
+                                   `meta.json` is in it (written after every rank has saved)
 
-The marker is written after every rank has finished saving, so a run killed mid-save never
-leaves a folder that `latest_checkpoint` would pick.
+Every rank saves into the partial folder; after a barrier rank 0 writes the marker and renames
+the folder, so a run killed mid-save leaves nothing `latest_checkpoint` would pick, and the
+checkpoint a resume reads is always whole.
 """
 
 import json
+import os
+import random
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 MARKER = "meta.json"
+_STEP_DIR = re.compile(r"^(?:step_(\d+)|checkpoint-(\d+))$")
+_PARTIAL_DIR = re.compile(r"^\.step_\d+\.partial$")
 
 
 def checkpoint_path(root: str | Path, step: int) -> Path:
@@ -19,9 +30,31 @@ def checkpoint_path(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 
 
+def partial_path(path: str | Path) -> Path:
+    """Where the checkpoint that will be published at `path` is written first."""
+    path = Path(path)
+    return path.parent / f".{path.name}.partial"
+
+
 def mark_complete(path: Path, step: int, **info: Any) -> None:
     """Write the completion marker (call on one rank, after all ranks have saved)."""
-    (path / MARKER).write_text(json.dumps({"step": step, **info}))
+    tmp = path / f".{MARKER}.tmp"
+    tmp.write_text(json.dumps({"step": step, **info}))
+    os.replace(tmp, path / MARKER)
+
+
+def publish(partial: Path, path: Path, step: int, keep: int | None = None, **info: Any) -> None:
+    """Mark the fully written `partial` folder complete and make it visible as `path`.
+
+    Call on one rank, after every rank has saved. With `keep`, older complete checkpoints
+    beyond the newest `keep` are deleted.
+    """
+    mark_complete(partial, step, **info)
+    if path.exists():  # the same step saved again (a resumed run re-reaching it)
+        shutil.rmtree(path)
+    os.replace(partial, path)
+    if keep is not None:
+        prune(path.parent, keep)
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -36,10 +69,46 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads(marker.read_text())
 
 
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MARKER).is_file()]
+    return sorted(done, key=lambda p: read_meta(p)["step"])
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The complete checkpoint with the highest step under `root`, if any."""
-    done = [p for p in Path(root).glob("step_*") if (p / MARKER).is_file()]
-    return max(done, key=lambda p: read_meta(p)["step"], default=None)
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep`; return what was deleted."""
+    old = complete_checkpoints(root)[:-keep] if keep > 0 else []
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
+
+
+def remove_partial(root: str | Path) -> list[Path]:
+    """Delete checkpoint folders a stopped save left incomplete; return what was deleted.
+
+    Call when no rank is saving (before a launch, or after one ended).
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    stale = [
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and (_PARTIAL_DIR.match(p.name) or (_STEP_DIR.match(p.name) and not (p / MARKER).exists()))
+    ]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def resolve(path: str | Path | None) -> Path | None:
@@ -50,3 +119,50 @@ def resolve(path: str | Path | None) -> Path | None:
     if (Path(path) / MARKER).is_file():
         return Path(path)
     return latest_checkpoint(path)
+
+
+def uri(path: Path | None) -> str | None:
+    """A checkpoint folder as a `file://` URI (None stays None)."""
+    return path.resolve().as_uri() if path is not None else None
+
+
+def _rank_state_file(folder: Path, rank: int) -> Path:
+    return folder / f"rank_{rank}.state.pt"
+
+
+def save_rank_state(folder: Path, rank: int, extra: dict[str, Any] | None = None) -> None:
+    """Save this rank's RNG streams (torch, CUDA, Python, NumPy) and `extra` into `folder`.
+
+    `extra` holds small values the technique's checkpoint does not: the data position, for one.
+    """
+    import numpy as np
+    import torch
+
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+        "extra": extra or {},
+    }
+    torch.save(state, _rank_state_file(folder, rank))
+
+
+def load_rank_state(folder: Path, rank: int) -> dict[str, Any] | None:
+    """Restore this rank's RNG streams from `folder`; return its `extra` (None: no state saved
+    for this rank, as when resuming on more ranks than saved the checkpoint)."""
+    import numpy as np
+    import torch
+
+    path = _rank_state_file(folder, rank)
+    if not path.is_file():
+        return None
+    state = torch.load(path, weights_only=True)
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), *rest))
+    return dict(state["extra"])

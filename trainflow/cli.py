@@ -6,11 +6,13 @@ the command line, the UI and deployments validate input in one place.
 """
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
@@ -19,11 +21,15 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def _strip_optional(annotation: Any) -> tuple[Any, bool]:
+    """`X | None` -> (X, True); constraints (`Annotated[str, ...]`) are the model's to check."""
+    optional = False
     if get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in get_args(annotation) if a is not type(None)]
         if len(args) == 1:
-            return args[0], len(args) != len(get_args(annotation))
-    return annotation, False
+            annotation, optional = args[0], len(args) != len(get_args(annotation))
+    if get_origin(annotation) is typing.Annotated:
+        annotation = get_args(annotation)[0]
+    return annotation, optional
 
 
 def _add_fields(
@@ -141,11 +147,13 @@ def parse_config(
     prog: str,
     description: str,
     presets: Mapping[str, Callable[[], M]] | None = None,
+    resumed: Callable[[str], dict[str, Any]] | None = None,
 ) -> M:
     """Parse `argv` into a validated `model`, starting from `defaults`.
 
     `--config FILE` (YAML or JSON) starts from a whole config in a file instead; with
-    `presets`, so does `--preset NAME`. The other options override the starting values.
+    `presets`, so does `--preset NAME`; with `resumed` (run id -> that run's saved config), so
+    does `--resume RUN_ID`. The other options override the starting values.
     Invalid values exit with status 2 and a message naming the option (or the file), like any
     argparse error.
     """
@@ -171,6 +179,13 @@ def parse_config(
         base = presets[given.pop("preset")]().model_dump()
     if "config" in given:
         base = _read_config_file(parser, given.pop("config"))
+    if resumed is not None and given.get("resume"):
+        if base != defaults.model_dump():
+            parser.error("--resume starts from the run's own config: drop --config/--preset")
+        try:
+            base = resumed(given["resume"])
+        except ValueError as exc:
+            parser.error(f"--resume {given['resume']}: {exc}")
     merged = _merge(base, _nest(given))
     try:
         return model.model_validate(merged)
@@ -208,7 +223,13 @@ def pipeline_config(
     doc: str | None,
     presets: Mapping[str, Callable[[], M]] | None = None,
 ) -> M:
-    """The command line of pipeline `flow` (`python -m flows.<name>`) as a validated config."""
+    """The command line of pipeline `flow` (`python -m flows.<name>`) as a validated config.
+
+    `--resume RUN_ID` starts from the config that run was started with.
+    """
+    from trainflow.paths import read_run_config
+
+    resumable = "resume" in type(defaults).model_fields
     return parse_config(
         type(defaults),
         defaults,
@@ -216,7 +237,73 @@ def pipeline_config(
         prog=f"python -m flows.{flow.name}",
         description=doc or "",
         presets=presets,
+        resumed=(lambda run_id: read_run_config(flow.name, run_id)) if resumable else None,
     )
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: stop the pipeline as Ctrl-C would (the run ends KILLED).
+
+    A BaseException, like KeyboardInterrupt, so no `except Exception` swallows it.
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signal = signum
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """SIGTERM raises `Terminated` instead of killing the process on the spot.
+
+    A flow run installs its own handler (raising Prefect's `TerminationSignal`) and, once the
+    flow has recorded how it ended, sends the signal again to the handler it found: this one,
+    so the command line can still report and exit 143 instead of dying silently.
+    """
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_reason(exc: BaseException) -> tuple[str, int] | None:
+    """(what stopped the pipeline, exit status) for Ctrl-C and SIGTERM, else None."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "Ctrl-C (SIGINT)", 128 + signal.SIGINT
+    if isinstance(exc, Terminated) or type(exc).__name__ == "TerminationSignal":
+        signum = int(getattr(exc, "signal", signal.SIGTERM))
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return name, 128 + signum
+    return None
+
+
+def _report_stop(flow: Any, reason: str, run_id: str | None) -> None:
+    from trainflow import tracking
+
+    prefix = f"stopped: {reason}"
+    if run_id is None:
+        print(f"{prefix}; no MLflow run had started.", file=sys.stderr)
+        return
+    try:
+        status = tracking.run_status(run_id)
+    except Exception:  # the store cannot be read: say what was meant to happen
+        status = "KILLED"
+    line = f"{prefix}; MLflow run {run_id} is {status}."
+    if status != "FINISHED":
+        line += f" Continue it with: python -m flows.{flow.name} --resume {run_id}"
+    print(line, file=sys.stderr)
 
 
 def run_pipeline(
@@ -226,8 +313,12 @@ def run_pipeline(
     doc: str | None,
     presets: Mapping[str, Callable[[], M]] | None = None,
     summary_metrics: list[str] | None = None,
+    server: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> Any:
     """`python -m flows.<name>`: parse the command line, run the flow, print where things are.
+
+    Ctrl-C or SIGTERM ends the MLflow run KILLED and exits 130 or 143 with one line saying
+    so (and how to continue the run), not a traceback.
 
     Args:
         flow: The pipeline's flow; it takes the config and returns a `PipelineResult`.
@@ -236,10 +327,32 @@ def run_pipeline(
         doc: The flow module's docstring, shown by `--help`.
         presets: `--preset NAME` choices, each giving a starting config.
         summary_metrics: Metrics to print at the end, in order (None: all).
+        server: Context around the flow run, entered only once the command line is valid and
+            the machine can run it (the flows pass a temporary Prefect server here; this
+            module never imports Prefect).
     """
+    from trainflow import tracking
+
     config = pipeline_config(flow, defaults, argv, doc, presets)
     _check_machine(flow, config)
-    result = flow(config)
+    before = tracking.last_run_id()
+    around = server() if server else contextlib.nullcontext()
+    try:
+        with _sigterm_stops(), around:
+            result = flow(config)
+    except BaseException as exc:
+        stop = _stop_reason(exc)
+        if stop is None:
+            raise
+        reason, code = stop
+        run_id = tracking.last_run_id()
+        _report_stop(flow, reason, run_id if run_id != before else None)
+        raise SystemExit(code) from None
+    _print_result(flow, result, summary_metrics)
+    return result
+
+
+def _print_result(flow: Any, result: Any, summary_metrics: list[str] | None) -> None:
     if result.model_version is None:
         model = "not registered (gate failed)"
     else:
@@ -260,7 +373,6 @@ def run_pipeline(
         },
         {k: metrics[k] for k in shown if k in metrics},
     )
-    return result
 
 
 def _check_machine(flow: Any, config: BaseModel) -> None:

@@ -14,19 +14,36 @@ helper process (`trainflow._agent`) in its own session that hosts torch's elasti
 supervises it: it streams every rank's output line by line, enforces the timeout, turns the
 first failing rank into one clear error, and stops the whole process group at the end, so no
 process outlives the call.
+
+Runs that must survive interruptions get three more guards:
+
+- Interrupted (Ctrl-C, a cancel, SIGTERM raised as an exception in the caller), the caller
+  sends SIGTERM to every process of the launch. Ranks only note it; at the end of their step
+  `runtime.should_stop()` says so on every rank alike, they write a final checkpoint and end.
+  After `stop_grace` seconds (or a second Ctrl-C) whatever is left is killed.
+- Ranks call `runtime.heartbeat(step)`; with `hang_timeout` set, a launch in which no rank
+  advanced for that long is stopped with a `HangError` naming each rank's last step and the
+  Python stack where it is stuck (faulthandler dumps it on SIGUSR1).
+- A collective waits at most `collective_timeout`. When a rank fails waiting for its peers
+  while they are still alive, those peers are the ones that stopped answering: the error
+  names them, with their stacks, rather than the rank that noticed.
 """
 
 import contextlib
 import functools
 import inspect
+import linecache
+import math
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
 import time
+import types
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -35,10 +52,21 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import cloudpickle
 import psutil
 
-from trainflow.errors import LaunchError, LaunchTimeoutError, PayloadError, RankError
+from trainflow.errors import (
+    HangError,
+    LaunchConfigError,
+    LaunchError,
+    LaunchTimeoutError,
+    PayloadError,
+    Preempted,
+    RankError,
+    is_collective_failure,
+)
 from trainflow.paths import trainflow_home
 from trainflow.resources import LaunchPlan, resolve_resources
 from trainflow.run_dir import RunDir
+
+_PREEMPTED_TYPE = f"{Preempted.__module__}.{Preempted.__qualname__}"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -50,8 +78,29 @@ RUN_ID_ENV = "TRAINFLOW_RUN_ID"
 START_METHOD_ENV = "TRAINFLOW_START_METHOD"
 # After the first rank fails, torch elastic stops the others; give it this long before we do.
 FAILURE_GRACE_S = 5.0
-# SIGTERM-to-SIGKILL grace for workers, for the agent and for our final sweep.
+# SIGTERM-to-SIGKILL grace of the final sweep, once the launch is decided.
 SHUTDOWN_GRACE_S = 3.0
+# A rank died without a Python error: its peers get this long to record how they noticed (a
+# collective error) before they are killed.
+LOST_RANK_GRACE_S = 1.0
+# How often the supervisor reads the ranks' heartbeats (it follows their logs every 0.05 s).
+WATCH_EVERY_S = 0.25
+# How long to wait for a rank's stack dump; faulthandler writes it within milliseconds.
+STACK_DUMP_WAIT_S = 3.0
+# Frames shown per thread of a stuck rank's stack.
+STACK_FRAMES = 20
+
+
+def _check_seconds(name: str, value: object, zero_ok: bool = False) -> None:
+    ok = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value >= 0 if zero_ok else value > 0)
+    )
+    if not ok:
+        kind = "a number of seconds >= 0" if zero_ok else "a positive number of seconds"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -65,10 +114,17 @@ class LaunchOptions:
     init_process_group: bool = False
     max_restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    collective_timeout: float = 600.0
+    hang_timeout: float | None = None
+    stop_grace: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.timeout is not None and not self.timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if self.timeout is not None:
+            _check_seconds("timeout", self.timeout)
+        _check_seconds("collective_timeout", self.collective_timeout)
+        if self.hang_timeout is not None:
+            _check_seconds("hang_timeout", self.hang_timeout)
+        _check_seconds("stop_grace", self.stop_grace, zero_ok=True)
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         for key, value in self.env.items():
@@ -132,24 +188,277 @@ def _group_members(pgid: int) -> list[psutil.Process]:
     return members
 
 
+def _wait_group_gone(pgid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _group_members(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def kill_process_group(pgid: int) -> None:
+    """SIGKILL every process of the group and wait (bounded) until they are gone."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    _wait_group_gone(pgid, SHUTDOWN_GRACE_S)
+
+
 def stop_process_group(pgid: int, grace_s: float = SHUTDOWN_GRACE_S) -> None:
     """SIGTERM every live process of the group, then SIGKILL what is left after `grace_s`."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not _group_members(pgid):
-            return
-        time.sleep(0.05)
+    if not _wait_group_gone(pgid, grace_s):
+        kill_process_group(pgid)
+
+
+def _live_ranks(rd: RunDir, pgid: int) -> dict[int, int]:
+    """`{rank: pid}` of this node's ranks of the latest attempt whose process still runs."""
+    procs = rd.rank_processes()
+    attempt = max((p["attempt"] for p in procs.values()), default=0)
+    live = {}
+    for rank, rec in procs.items():
+        if rec["attempt"] != attempt:
+            continue
+        try:
+            proc = psutil.Process(rec["pid"])
+            # The group check guards against a pid reused by an unrelated process.
+            if proc.status() != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
+                live[rank] = proc.pid
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return live
+
+
+def _dead_ranks(rd: RunDir, pgid: int) -> list[int]:
+    """Ranks of the latest attempt whose process is gone without a result or an error."""
+    procs = rd.rank_processes()
+    attempt = max((p["attempt"] for p in procs.values()), default=0)
+    live = _live_ranks(rd, pgid)
+    done = {*rd.result_files(), *rd.error_files()}
+    return sorted(
+        r for r, p in procs.items() if p["attempt"] == attempt and r not in live and r not in done
+    )
+
+
+def _kill_ranks(rd: RunDir, pgid: int) -> None:
+    for pid in _live_ranks(rd, pgid).values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+_THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+.*:$")
+_FRAME = re.compile(r'^  File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
+# What NCCL's watchdog prints before it aborts a rank whose collective timed out.
+_COLLECTIVE_ABORT = re.compile(
+    r"Watchdog caught collective operation timeout|ProcessGroupNCCL.*(timed out|timeout)"
+)
+# cloudpickle's file name for the code of a function it ships by value.
+_DYNAMIC_CODE = "<dynamic-code>"
+_WORKER_FILE = os.path.join("trainflow", "_worker.py")
+
+# (function name, first line, last line, file) of code the caller shipped.
+_CodeSpan = tuple[str, int, int, str]
+
+
+def _shipped_code(fn: Callable[..., Any]) -> list[_CodeSpan]:
+    """Where the code of `fn`, of the functions nested in it and of its module's functions is.
+
+    cloudpickle ships functions from `__main__`, and any function `@distributed` wraps, by
+    value and names their file "<dynamic-code>", so a rank's stack shows only function and
+    line for them. The caller still has the code objects, hence the files.
+    """
+    functions = [fn] + [
+        f
+        for f in getattr(fn, "__globals__", {}).values()
+        if isinstance(f, types.FunctionType) and f.__module__ == getattr(fn, "__module__", None)
+    ]
+    todo = [f.__code__ for f in functions if hasattr(f, "__code__")]
+    spans: list[_CodeSpan] = []
+    while todo:
+        code = todo.pop()
+        lines = [line for _, _, line in code.co_lines() if line is not None]
+        first, last = min(lines, default=code.co_firstlineno), max(lines, default=0)
+        spans.append((code.co_name, first, last, code.co_filename))
+        todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return spans
+
+
+def _shipped_file(shipped: Sequence[_CodeSpan], func: str, lineno: int) -> str | None:
+    return next((f for name, a, b, f in shipped if name == func and a <= lineno <= b), None)
+
+
+_TRACEBACK_DYNAMIC_FRAME = re.compile(
+    rf'^(?P<indent> *)File "{_DYNAMIC_CODE}", line (?P<line>\d+), in (?P<func>.+)$', re.MULTILINE
+)
+
+
+def _resolve_traceback(text: str, shipped: Sequence[_CodeSpan]) -> str:
+    """A rank's traceback with the caller's file and source line for code shipped by value."""
+
+    def resolve(m: re.Match) -> str:
+        lineno, func, indent = int(m["line"]), m["func"], m["indent"]
+        path = _shipped_file(shipped, func, lineno)
+        if path is None:
+            return m[0]
+        source = linecache.getline(path, lineno).strip()
+        return f'{indent}File "{path}", line {lineno}, in {func}' + (
+            f"\n{indent}  {source}" if source else ""
+        )
+
+    return _TRACEBACK_DYNAMIC_FRAME.sub(resolve, text)
+
+
+def _format_stack_dump(text: str, shipped: Sequence[_CodeSpan] = ()) -> str | None:
+    """The faulthandler dump in `text` (rank output after SIGUSR1), with each frame's source.
+
+    faulthandler lists the most recent call first and names only file, line and function;
+    the source line under each frame is what shows where the rank waits (`time.sleep(600)`,
+    `dist.all_reduce(t)`). Frames from the worker down (torch elastic, multiprocessing) are
+    left out, and at most `STACK_FRAMES` frames are shown per thread.
+    """
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if _THREAD_HEADER.match(line)), None)
+    if start is None:
+        return None
+    out: list[str] = []
+    frames = 0
+    for line in lines[start:]:
+        if _THREAD_HEADER.match(line):
+            out.append(line)
+            frames = 0
+            continue
+        if not line:
+            continue
+        if not line.startswith("  "):
+            break  # the rank printed something else after its dump
+        m = _FRAME.match(line)
+        if m and m["file"].endswith(_WORKER_FILE):
+            frames = STACK_FRAMES  # the launcher's own frames from here down
+        frames += 1
+        if frames > STACK_FRAMES:
+            continue
+        if not m:
+            out.append(line)
+            continue
+        path, lineno, func = m["file"], int(m["line"]), m["func"]
+        if path == _DYNAMIC_CODE:
+            path = _shipped_file(shipped, func, lineno) or path
+        out.append(f'  File "{path}", line {lineno} in {func}')
+        source = linecache.getline(path, lineno).strip()
+        if source:
+            out.append(f"    {source}")
+    return "\n".join(out)
+
+
+def _dump_stacks(
+    rd: RunDir, pids: dict[int, int], shipped: Sequence[_CodeSpan] = ()
+) -> dict[int, str]:
+    """Ask each rank for its Python stacks; return them, formatted, by rank.
+
+    SIGUSR1 makes faulthandler write every thread's stack to the rank's log from the signal
+    handler itself, so a rank stuck in C code (a collective, a sleep) answers too. A rank that
+    does not answer within `STACK_DUMP_WAIT_S` gets a note instead.
+    """
+    offsets: dict[int, int] = {}
+    for rank, pid in pids.items():
+        try:
+            offsets[rank] = rd.log_path(rank).stat().st_size
+        except FileNotFoundError:
+            offsets[rank] = 0
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    dumps: dict[int, str] = {}
+    seen: dict[int, bytes] = {}
+    deadline = time.monotonic() + STACK_DUMP_WAIT_S
+    while len(dumps) < len(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        for rank in pids:
+            if rank in dumps:
+                continue
+            try:
+                with open(rd.log_path(rank), "rb") as f:
+                    f.seek(offsets[rank])
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            # Written at once by the handler: complete once it stops growing.
+            if data == seen.get(rank):
+                formatted = _format_stack_dump(data.decode("utf-8", errors="replace"), shipped)
+                if formatted:
+                    dumps[rank] = formatted
+            seen[rank] = data
+    for rank in pids:
+        if rank not in dumps:
+            text = seen.get(rank, b"").decode("utf-8", errors="replace")
+            partial = _format_stack_dump(text, shipped)
+            dumps[rank] = partial or "(no stack: the rank did not answer SIGUSR1)"
+    return dumps
+
+
+def _stacks_text(dumps: dict[int, str], steps: dict[int, int | None]) -> str:
+    parts = []
+    for rank, dump in sorted(dumps.items()):
+        step = steps.get(rank)
+        at = f" (last step {step})" if step is not None else ""
+        parts.append(f"\n\nStack of rank {rank}{at} when it was stopped:\n{dump}")
+    return "".join(parts)
+
+
+class _Watchdog:
+    """Says when no rank's heartbeat advanced for `timeout` seconds.
+
+    Progress is a change of a rank's heartbeat record, timed on this process's clock, so the
+    ranks need no clock in common with the caller. It arms only once every rank of the
+    latest attempt has beaten: start-up (imports, data loading, a first compiled step) never
+    counts, and a restarted attempt starts over.
+    """
+
+    def __init__(self, rd: RunDir, timeout: float, nproc: int):
+        self.rd = rd
+        self.timeout = timeout
+        self.nproc = nproc
+        self.attempt = -1
+        self.beats: dict[int, dict[str, Any]] = {}
+        self.changed_at = 0.0
+
+    def stalled(self, now: float) -> bool:
+        beats = self.rd.heartbeats()
+        attempt = max((b["attempt"] for b in beats.values()), default=0)
+        current = {r: b for r, b in beats.items() if b["attempt"] == attempt}
+        if attempt != self.attempt or current != self.beats:
+            self.attempt, self.beats, self.changed_at = attempt, current, now
+        return len(current) >= self.nproc and now - self.changed_at > self.timeout
+
+
+def _read_errors(rd: RunDir) -> dict[int, dict[str, Any]]:
+    return {r: pickle.loads(p.read_bytes()) for r, p in rd.error_files().items()}
+
+
+def _first_failure(errors: dict[int, dict[str, Any]]) -> int:
+    return min(errors, key=lambda r: (errors[r]["time"], r))
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def _shipped_cause(rec: dict[str, Any]) -> BaseException | None:
+    if rec["exception"] is None:
+        return None
+    # The exception class may not import in the caller; the message still names it.
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while _group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
+        return cloudpickle.loads(rec["exception"])
+    except Exception:
+        return None
 
 
 class _LogTail:
@@ -204,7 +513,7 @@ class _Launch:
             return "127.0.0.1:0", uuid.uuid4().hex
         endpoint, run_id = os.environ.get(RDZV_ENDPOINT_ENV), os.environ.get(RUN_ID_ENV)
         if not endpoint or not run_id:
-            raise LaunchError(
+            raise LaunchConfigError(
                 f"nnodes={self.options.nnodes} needs a rendezvous shared by all nodes: set "
                 f"{RDZV_ENDPOINT_ENV}=host:port (reachable from every node) and {RUN_ID_ENV} "
                 "to the same value on each node, then call .distributed() on every node"
@@ -233,7 +542,7 @@ class _Launch:
         """
         method = os.environ.get(START_METHOD_ENV) or ("fork" if res.device == "cpu" else "spawn")
         if method not in ("fork", "spawn", "forkserver"):
-            raise LaunchError(f"{START_METHOD_ENV}={method!r}: use fork, spawn or forkserver")
+            raise LaunchConfigError(f"{START_METHOD_ENV}={method!r}: use fork, spawn or forkserver")
         return method
 
     def run(self, args: tuple, kwargs: dict) -> LaunchResult:
@@ -254,7 +563,11 @@ class _Launch:
                 "nproc_per_node": res.nproc_per_node,
                 "device": res.device,
                 "max_restarts": opts.max_restarts,
-                "shutdown_timeout_s": SHUTDOWN_GRACE_S,
+                # The agent's own SIGTERM-to-SIGKILL grace for the workers, when it is stopped
+                # from outside (a node shutdown) rather than by this caller.
+                "shutdown_timeout_s": opts.stop_grace,
+                "collective_timeout_s": opts.collective_timeout,
+                "hang_timeout_s": opts.hang_timeout,
                 "init_process_group": opts.init_process_group,
                 "start_method": self._start_method(res),
                 "sys_path": _caller_sys_path(),
@@ -265,6 +578,9 @@ class _Launch:
             },
             payload,
         )
+        self._tail = _LogTail(rd, self.sink)
+        self._gone_at_failure: list[int] = []
+        self.shipped = _shipped_code(self.fn)
         with open(rd.agent_log, "wb") as agent_log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "trainflow._agent", str(rd.path)],
@@ -274,56 +590,320 @@ class _Launch:
                 start_new_session=True,
                 env={**os.environ, **env},
             )
+        verdict: LaunchError | None = None
         try:
-            timed_out = self._supervise(proc, rd)
+            verdict = self._supervise(proc, rd, res)
+        except BaseException:
+            self._stop_gracefully(proc.pid, rd)
+            raise
         finally:
-            stop_process_group(proc.pid)
+            # Hung ranks cannot act on SIGTERM: no grace for them.
+            stop_process_group(
+                proc.pid, 0.0 if isinstance(verdict, HangError) else SHUTDOWN_GRACE_S
+            )
             proc.wait()
         try:
-            return self._collect(proc.returncode, rd, res, timed_out)
+            self._tail.poll(final=True)
+            if verdict is not None:
+                raise verdict
+            return self._collect(proc.returncode, rd, res)
         finally:
             rd.discard_payloads()
 
-    def _supervise(self, proc: subprocess.Popen, rd: RunDir) -> bool:
-        """Stream logs until the agent exits; stop it on timeout or a lingering failure."""
-        self._tail = _LogTail(rd, self.sink)
-        deadline = time.monotonic() + self.options.timeout if self.options.timeout else None
-        failed_at: float | None = None
+    def _stop_gracefully(self, pgid: int, rd: RunDir) -> None:
+        """The caller was interrupted: SIGTERM the launch, wait up to `stop_grace`, then kill.
+
+        Ranks only note the SIGTERM; at the end of their step `runtime.should_stop()` says so
+        on every rank, and they write a final checkpoint and end. The agent, stopped by the
+        same signal, waits as long for them (its `shutdown_timeout`). The wait ends early once
+        no rank still runs its function: a rank that has returned only waits for the agent to
+        collect its value, which a stopping agent never does. A second Ctrl-C ends it at once.
+        Ranks that never asked `should_stop()` cannot act on the request: they get the short
+        `SHUTDOWN_GRACE_S` instead.
+        """
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        grace = self.options.stop_grace
+        if not self._ranks_check_stops(rd):
+            grace = min(grace, SHUTDOWN_GRACE_S)
+        deadline = time.monotonic() + grace
+        try:
+            while time.monotonic() < deadline and self._ranks_working(rd, pgid):
+                self._tail.poll()
+                time.sleep(0.1)
+            self._tail.poll()
+        except KeyboardInterrupt:
+            pass  # asked twice: stop waiting
+        finally:
+            kill_process_group(pgid)
+
+    @staticmethod
+    def _ranks_check_stops(rd: RunDir) -> bool:
+        """Whether a rank of the latest attempt has asked `runtime.should_stop()`."""
+        attempt = max((p["attempt"] for p in rd.rank_processes().values()), default=0)
+        return any(c["attempt"] == attempt for c in rd.stop_checks().values())
+
+    @staticmethod
+    def _ranks_working(rd: RunDir, pgid: int) -> bool:
+        """Whether a rank of the latest attempt still runs its function."""
+        finished = {**rd.result_files(), **rd.error_files()}
+        for rank in _live_ranks(rd, pgid):
+            try:
+                started = (rd.ranks / f"rank_{rank}.pid").stat().st_mtime_ns
+                # An earlier attempt's error record does not count.
+                if finished[rank].stat().st_mtime_ns < started:
+                    return True
+            except (KeyError, FileNotFoundError):
+                return True
+        return False
+
+    def _supervise(self, proc: subprocess.Popen, rd: RunDir, res: LaunchPlan) -> LaunchError | None:
+        """Stream logs until the agent exits; stop on timeout, a hang or a lingering failure.
+
+        Returns the error to raise once every process is stopped (a timeout, a hang, peers
+        that stopped answering), or None when the ranks' results and errors tell the story.
+        """
+        opts = self.options
+        deadline = time.monotonic() + opts.timeout if opts.timeout else None
+        watchdog = (
+            _Watchdog(rd, opts.hang_timeout, res.nproc_per_node) if opts.hang_timeout else None
+        )
+        pgid = proc.pid
+        next_watch = 0.0
+        failed_at: float | None = None  # first sign of a failed rank: an error, or a death
+        errors_seen = survivors_killed = False
+        grace = FAILURE_GRACE_S
+        restarted_after = -1  # the last attempt whose survivors were stopped for a restart
         try:
             while proc.poll() is None:
                 self._tail.poll()
                 now = time.monotonic()
-                # With restarts allowed, a failed attempt is the elastic agent's call to make.
-                if failed_at is None and self.options.max_restarts == 0 and rd.error_files():
-                    failed_at = now
-                if failed_at is not None and now - failed_at > FAILURE_GRACE_S:
-                    return False
+                watch = now >= next_watch
+                if watch:
+                    next_watch = now + WATCH_EVERY_S
+                # With restarts allowed, a failed attempt is the elastic agent's call to make;
+                # only its survivors are stopped, so that it restarts at once.
+                if opts.max_restarts > 0 and watch:
+                    restarted_after = self._stop_failed_attempt(rd, pgid, restarted_after)
+                if opts.max_restarts == 0:
+                    if not errors_seen and rd.error_files():
+                        errors_seen = True
+                        failed_at = failed_at or now
+                        silent = self._peers_that_stopped_answering(rd, pgid)
+                        if silent is not None:
+                            return silent
+                        grace = self._after_rank_error(rd, pgid)
+                    elif failed_at is None and watch and (dead := _dead_ranks(rd, pgid)):
+                        failed_at = now
+                        silent = self._peers_of_a_collective_abort(rd, pgid, dead)
+                        if silent is not None:
+                            return silent
+                    elif (
+                        failed_at is not None
+                        and not errors_seen
+                        and not survivors_killed
+                        and now - failed_at > LOST_RANK_GRACE_S
+                    ):
+                        _kill_ranks(rd, pgid)  # a rank died without a Python error
+                        survivors_killed = True
+                if failed_at is not None and now - failed_at > grace:
+                    return None
                 if deadline is not None and now > deadline:
-                    return True
+                    return self._timeout_error(rd, res)
+                if watchdog is not None and failed_at is None and watch and watchdog.stalled(now):
+                    return self._hang_error(rd, pgid, watchdog)
                 time.sleep(0.05)
-            return False
+            return None
         finally:
             self._tail.poll()
 
-    def _collect(
-        self, returncode: int, rd: RunDir, res: LaunchPlan, timed_out: bool
-    ) -> LaunchResult:
-        self._tail.poll(final=True)
-        log_dir = str(rd.logs)
-        errors = {r: pickle.loads(p.read_bytes()) for r, p in rd.error_files().items()}
+    def _after_rank_error(self, rd: RunDir, pgid: int) -> float:
+        """A rank raised: stop the others now; return how long the agent then gets to end.
+
+        Torch stops the surviving workers with SIGTERM and waits 30 s for them to exit; our
+        ranks only note a SIGTERM, and survivors of a failure never reach the end of their
+        step, so they are killed here, as that SIGTERM used to do. Unless the rank stopped on
+        request (`Preempted`): its peers are finishing the same final checkpoint and get
+        `stop_grace`.
+        """
+        errors = _read_errors(rd)
+        if errors[_first_failure(errors)]["type"] == _PREEMPTED_TYPE:
+            return max(FAILURE_GRACE_S, self.options.stop_grace)
+        _kill_ranks(rd, pgid)
+        return FAILURE_GRACE_S
+
+    @staticmethod
+    def _stop_failed_attempt(rd: RunDir, pgid: int, stopped: int) -> int:
+        """With restarts: once a rank of the current attempt failed, kill the others.
+
+        What `_after_rank_error` does without restarts, for the elastic agent, which waits
+        30 s on survivors before it restarts. Returns the attempt now handled.
+        """
+        procs = rd.rank_processes()
+        attempt = max((p["attempt"] for p in procs.values()), default=0)
+        if attempt == stopped:
+            return stopped
+        started = {}
+        for rank, rec in procs.items():
+            if rec["attempt"] == attempt:
+                with contextlib.suppress(FileNotFoundError):
+                    started[rank] = (rd.ranks / f"rank_{rank}.pid").stat().st_mtime_ns
+        errors = {}
+        for rank, path in rd.error_files().items():
+            with contextlib.suppress(FileNotFoundError, EOFError, pickle.UnpicklingError):
+                if rank in started and path.stat().st_mtime_ns >= started[rank]:
+                    errors[rank] = pickle.loads(path.read_bytes())
+        if errors:
+            if errors[_first_failure(errors)]["type"] == _PREEMPTED_TYPE:
+                return stopped  # the others are finishing the same final checkpoint
+        elif not _dead_ranks(rd, pgid):
+            return stopped
+        _kill_ranks(rd, pgid)
+        return attempt
+
+    @staticmethod
+    def _expected_ranks(rd: RunDir, res: LaunchPlan) -> list[int]:
+        return list(range(res.nproc_per_node)) if res.nnodes == 1 else sorted(rd.log_files())
+
+    def _timeout_error(self, rd: RunDir, res: LaunchPlan) -> LaunchTimeoutError:
+        expected = self._expected_ranks(rd, res)
         results = rd.result_files()
-        expected = list(range(res.nproc_per_node)) if res.nnodes == 1 else sorted(rd.log_files())
-        missing = [r for r in expected if r not in results]
-        if timed_out:
-            running = [r for r in expected if r not in results] or expected
-            raise LaunchTimeoutError(
-                f"{self.name}.distributed() timed out after {self.options.timeout:g}s; "
-                f"rank(s) {', '.join(map(str, running))} still running were stopped. "
-                f"Rank logs: {log_dir}",
-                running_ranks=running,
-                log_dir=log_dir,
+        running = [r for r in expected if r not in results] or expected
+        return LaunchTimeoutError(
+            f"{self.name}.distributed() timed out after {self.options.timeout:g}s; "
+            f"rank(s) {', '.join(map(str, running))} still running were stopped. "
+            f"Rank logs: {rd.logs}",
+            running_ranks=running,
+            log_dir=str(rd.logs),
+        )
+
+    def _hang_error(self, rd: RunDir, pgid: int, watchdog: _Watchdog) -> HangError:
+        """No rank advanced for `hang_timeout`: name every rank's last step, show the stacks.
+
+        Ranks in step with each other wait for one another in a collective; a rank behind the
+        others is the one they wait for, so its stack is the one shown.
+        """
+        beats = dict(sorted(watchdog.beats.items()))
+        steps: dict[int, int | None] = {r: b["step"] for r, b in beats.items()}
+        low, high = min(beats[r]["step"] for r in beats), max(beats[r]["step"] for r in beats)
+        stuck = [r for r in beats if beats[r]["step"] == low]
+        live = _live_ranks(rd, pgid)
+        stacks = _dump_stacks(rd, {r: live[r] for r in stuck if r in live}, self.shipped)
+        now = time.time()
+        where = ", ".join(
+            f"rank {r} at step {b['step']} (last beat {now - b['time']:.0f}s ago)"
+            for r, b in beats.items()
+        )
+        behind = (
+            f"\n{_ranks_text(stuck)} fell behind at step {low} while others reached step "
+            f"{high}: the others wait for {'it' if len(stuck) == 1 else 'them'}."
+            if low != high
+            else ""
+        )
+        return HangError(
+            f"{self.name}.distributed() hung: no rank's heartbeat advanced for "
+            f"{self.options.hang_timeout:g}s (hang_timeout); every rank was stopped. "
+            f"Last steps: {where}.{behind}"
+            + _stacks_text(stacks, steps)
+            + f"\n\nRank logs: {rd.logs}",
+            stuck_ranks=stuck,
+            last_steps=steps,
+            log_dir=str(rd.logs),
+        )
+
+    def _peers_that_stopped_answering(self, rd: RunDir, pgid: int) -> HangError | None:
+        """A rank raised waiting for its peers: are some of them alive but silent?
+
+        Those peers, not the rank that noticed, are where the launch is stuck: they get the
+        blame and their stacks are dumped before anything is stopped. Peers already dead are
+        noted for `_collect`.
+        """
+        errors = _read_errors(rd)
+        first = _first_failure(errors)
+        rec = errors[first]
+        if not is_collective_failure(rec["type"], rec["message"]):
+            return None
+        self._gone_at_failure = _dead_ranks(rd, pgid)
+        error = self._silent_peers_error(
+            rd,
+            pgid,
+            first,
+            f"{rec['type_name']}: {_first_line(rec['message'])}",
+            f"Traceback from rank {first}:\n{self._traceback(rec)}",
+        )
+        if error is not None:
+            error.__cause__ = _shipped_cause(rec)
+        return error
+
+    def _peers_of_a_collective_abort(
+        self, rd: RunDir, pgid: int, dead: list[int]
+    ) -> HangError | None:
+        """Ranks died without a Python error: did one abort on a collective timeout?
+
+        NCCL's watchdog ends a rank whose collective timed out (SIGABRT), so no exception
+        reaches the worker; the rank's log still has the watchdog's line.
+        """
+        for rank in dead:
+            lines = _tail(rd.log_path(rank), 40).splitlines()
+            line = next((x for x in reversed(lines) if _COLLECTIVE_ABORT.search(x)), None)
+            if line is not None:
+                return self._silent_peers_error(
+                    rd,
+                    pgid,
+                    rank,
+                    line.strip(),
+                    f"Last lines of rank {rank}:\n" + "\n".join(lines[-15:]),
+                )
+        return None
+
+    def _silent_peers_error(
+        self, rd: RunDir, pgid: int, first: int, failure: str, evidence: str
+    ) -> HangError | None:
+        """Rank `first` failed in a collective with `failure`: blame the peers still alive."""
+        done = {*rd.result_files(), *rd.error_files(), first}
+        silent = {r: pid for r, pid in _live_ranks(rd, pgid).items() if r not in done}
+        if not silent:
+            return None
+        stacks = _dump_stacks(rd, silent, self.shipped)
+        failed = set(rd.error_files())  # a peer may have failed on its own meanwhile
+        stuck = sorted(r for r in silent if r not in failed)
+        if not stuck:
+            return None
+        beats = rd.heartbeats()
+        steps = {r: beats[r]["step"] if r in beats else None for r in stuck}
+        them = "it" if len(stuck) == 1 else "them"
+        if re.search(r"timed? ?out|timeout", failure, re.IGNORECASE):
+            ms = re.search(r"Timeout\(ms\)=(\d+)|(\d+)\s*ms\b", failure)
+            waited = (
+                f"{int(ms[1] or ms[2]) / 1000:g}s"
+                if ms
+                else f"{self.options.collective_timeout:g}s"
             )
+            how = f"rank {first} timed out after {waited} waiting for {them} in a collective"
+        else:
+            how = f"rank {first} failed waiting for {them} in a collective"
+        return HangError(
+            f"{_ranks_text(stuck)} stopped answering: {how} ({failure}); every rank was stopped."
+            + _stacks_text(stacks, steps)
+            + f"\n\n{evidence}"
+            + f"\n\nRank logs: {rd.logs}",
+            stuck_ranks=stuck,
+            last_steps=steps,
+            log_dir=str(rd.logs),
+        )
+
+    def _collect(self, returncode: int, rd: RunDir, res: LaunchPlan) -> LaunchResult:
+        log_dir = str(rd.logs)
+        errors = _read_errors(rd)
+        results = rd.result_files()
+        expected = self._expected_ranks(rd, res)
+        missing = [r for r in expected if r not in results]
         if errors and (returncode != 0 or missing):
+            gone = [r for r in self._gone_at_failure if r not in errors]
+            if gone:
+                raise self._lost_peer_error(gone, errors, log_dir)
             raise self._rank_error(errors, log_dir)
         if returncode != 0 or missing or not results:
             detail = rd.agent_error.read_text() if rd.agent_error.exists() else ""
@@ -340,28 +920,50 @@ class _Launch:
         values = [cloudpickle.loads(results[r].read_bytes()) for r in sorted(results)]
         return LaunchResult(values, rd.path, rd.log_files(), res)
 
+    def _traceback(self, rec: dict[str, Any]) -> str:
+        return _resolve_traceback(rec["traceback"], self.shipped).rstrip()
+
+    def _lost_peer_error(
+        self, gone: list[int], errors: dict[int, dict], log_dir: str
+    ) -> LaunchError:
+        """Peers died without a Python error, and a rank then failed in a collective.
+
+        The agent's own summary would name that rank as the root cause: it saw its exit code
+        first. The peers' processes were already gone when the rank failed.
+        """
+        first = _first_failure(errors)
+        rec = errors[first]
+        error = LaunchError(
+            f"{_ranks_text(gone)} died without a Python error (killed by a signal: SIGKILL, "
+            f"the OOM killer, ...); rank {first} then failed in a collective with "
+            f"{rec['type_name']}: {_first_line(rec['message'])}"
+            f"\n\nTraceback from rank {first}:\n{self._traceback(rec)}"
+            f"\n\nRank logs: {log_dir}",
+            log_dir=log_dir,
+        )
+        error.__cause__ = _shipped_cause(rec)
+        return error
+
     def _rank_error(self, errors: dict[int, dict], log_dir: str) -> RankError:
-        first = min(errors, key=lambda r: (errors[r]["time"], r))
+        first = _first_failure(errors)
         rec = errors[first]
         others = sorted(r for r in errors if r != first)
         message = (
             f"rank {first} failed while {rec['where']} with {rec['type_name']}: {rec['message']}"
             + (f"\n(failed after it: rank {', '.join(map(str, others))})" if others else "")
-            + f"\n\nTraceback from rank {first}:\n{rec['traceback'].rstrip()}"
+            + f"\n\nTraceback from rank {first}:\n{self._traceback(rec)}"
             + f"\n\nRank logs: {log_dir}"
         )
         error = RankError(
             message,
             rank=first,
             exc_type=rec["type"],
-            remote_traceback=rec["traceback"],
+            remote_traceback=_resolve_traceback(rec["traceback"], self.shipped),
             failed_ranks=sorted(errors),
             log_dir=log_dir,
+            remote_message=rec["message"],
         )
-        if rec["exception"] is not None:
-            # The exception class may not import in the caller; the text above still names it.
-            with contextlib.suppress(Exception):
-                error.__cause__ = cloudpickle.loads(rec["exception"])
+        error.__cause__ = _shipped_cause(rec)
         return error
 
 
@@ -388,7 +990,13 @@ def launch(
         PayloadError: the function or an argument cannot be pickled (nothing started).
         RankError: a rank raised; names the first failing rank, with its traceback.
         LaunchTimeoutError: the launch ran past `options.timeout`; names the ranks stopped.
+        HangError: no rank advanced for `options.hang_timeout`, or ranks stopped answering
+            their peers in a collective; names them, with their stacks.
         LaunchError: the agent or a rank died without a Python error (signal, OOM, ...).
+
+    Interrupted (KeyboardInterrupt or any other exception raised in this thread while it
+    waits), it gives the ranks `options.stop_grace` seconds to stop cleanly, kills what is
+    left and re-raises.
     """
     return _Launch(fn, options, on_line or _print_line).run(tuple(args), dict(kwargs or {}))
 
@@ -435,6 +1043,9 @@ def distributed(
     init_process_group: bool = False,
     max_restarts: int = 0,
     env: dict[str, str] | None = None,
+    collective_timeout: float = 600.0,
+    hang_timeout: float | None = None,
+    stop_grace: float = 30.0,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Decorate a function so `fn.distributed(...)` runs it on `gpus` ranks.
 
@@ -452,6 +1063,15 @@ def distributed(
             with the device bound to LOCAL_RANK) before the function and destroy it after.
         max_restarts: Times torch elastic restarts all ranks after a failure.
         env: Extra environment variables for every rank.
+        collective_timeout: Seconds a rank waits for its peers in one collective before it
+            fails (the timeout of `runtime.init_process_group`'s group); the launch then
+            names the peers that stopped answering, with their stacks.
+        hang_timeout: With ranks calling `runtime.heartbeat(step)`: when no rank advanced for
+            this many seconds, every rank is stopped and `HangError` names each rank's last
+            step and where it is stuck. None: no watchdog.
+        stop_grace: Seconds the ranks get to write a final checkpoint when the caller is
+            interrupted (Ctrl-C, a cancel) before they are killed; a second Ctrl-C kills at
+            once. Also the agent's own grace when it is sent SIGTERM from outside.
     """
     options = LaunchOptions(
         gpus=gpus,
@@ -461,6 +1081,9 @@ def distributed(
         init_process_group=init_process_group,
         max_restarts=max_restarts,
         env=dict(env or {}),
+        collective_timeout=collective_timeout,
+        hang_timeout=hang_timeout,
+        stop_grace=stop_grace,
     )
     # Counts that can never work fail at decoration time; GPU presence is checked at launch.
     resolve_resources(options.gpus, "cpu", options.nnodes)

@@ -1,9 +1,10 @@
 """Where trainflow keeps its files: one root, overridable with TRAINFLOW_HOME."""
 
+import json
 import os
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import StringConstraints
 
@@ -33,3 +34,33 @@ def safe_name(value: str, what: str = "name") -> str:
             "starting with a letter or digit, at most 128 characters"
         )
     return value
+
+
+RUN_CONFIG_FILE = "config.json"
+
+
+def run_output_dir(pipeline: str, run_id: str) -> Path:
+    """A pipeline run's own folder: its config, checkpoints, progress and trained model.
+
+    Keyed by the MLflow run id, so `--resume RUN_ID` finds the checkpoints of the run it
+    continues.
+    """
+    return (
+        trainflow_home() / "outputs" / safe_name(pipeline, "pipeline") / safe_name(run_id, "run id")
+    )
+
+
+def read_run_config(pipeline: str, run_id: str) -> dict[str, Any]:
+    """The config a pipeline run was started with (saved in its output folder).
+
+    Raises:
+        ValueError: no run `run_id` of `pipeline` was started under this TRAINFLOW_HOME.
+    """
+    path = run_output_dir(pipeline, run_id) / RUN_CONFIG_FILE
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"no {pipeline} run {run_id} was started under this TRAINFLOW_HOME ({path} is missing)"
+        ) from None
+    return data

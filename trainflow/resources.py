@@ -82,7 +82,7 @@ class GpuInventory:
 
 
 class Resources(BaseModel):
-    """Where the ranks run: GPU count and type, nodes, and a bound on the launch.
+    """Where the ranks run (GPU count and type, nodes) and how a launch is bounded and recovered.
 
     Pipeline configs subclass it, so its fields are top-level options of every pipeline.
     """
@@ -96,6 +96,36 @@ class Resources(BaseModel):
     )
     nnodes: int = Field(default=1, ge=1, description="Nodes the ranks are spread over.")
     timeout_s: float = Field(default=3600, gt=0, description="Bound on the whole training launch.")
+    max_restarts: int = Field(
+        default=0,
+        ge=0,
+        description="Times torch elastic restarts the ranks after one dies; they continue from "
+        "the last checkpoint.",
+    )
+    retries: int = Field(
+        default=1,
+        ge=0,
+        description="Times training is relaunched after a failure a relaunch can fix (a killed "
+        "rank, a lost peer, a hang, a timeout, a preemption), from the last checkpoint; never "
+        "after an error in the code or the config.",
+    )
+    collective_timeout_s: float = Field(
+        default=600,
+        gt=0,
+        description="A rank waiting this long for its peers in a collective fails the launch.",
+    )
+    hang_timeout_s: float | None = Field(
+        default=1800,
+        gt=0,
+        description="Fail the launch, naming the ranks and where they are stuck, when no rank "
+        "finished a step for this long. None: no watchdog.",
+    )
+    stop_grace_s: float = Field(
+        default=30,
+        gt=0,
+        description="On Ctrl-C, SIGTERM or a cancel, time the ranks get to write a final "
+        "checkpoint before they are killed.",
+    )
 
     @property
     def resources(self) -> "Resources":
@@ -107,7 +137,14 @@ class Resources(BaseModel):
         from trainflow.launcher import LaunchOptions
 
         return LaunchOptions(
-            gpus=self.gpus, gpu_type=self.gpu_type, nnodes=self.nnodes, timeout=self.timeout_s
+            gpus=self.gpus,
+            gpu_type=self.gpu_type,
+            nnodes=self.nnodes,
+            timeout=self.timeout_s,
+            max_restarts=self.max_restarts,
+            collective_timeout=self.collective_timeout_s,
+            hang_timeout=self.hang_timeout_s,
+            stop_grace=self.stop_grace_s,
         )
 
 

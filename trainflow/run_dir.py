@@ -9,24 +9,58 @@ Layout::
     logs/rank_<r>.log     everything rank r printed (stdout and stderr, C level included)
     results/rank_<r>.pkl  rank r's return value
     results/rank_<r>.err  rank r's error record
+    ranks/rank_<r>.pid    rank r's process id and restart attempt (written when it starts)
+    ranks/rank_<r>.beat   rank r's last heartbeat: step, wall time, attempt
+    ranks/rank_<r>.stops  rank r checks for stop requests (`runtime.should_stop`): attempt
 
-Only logs and the spec are kept after the launch; payload and results are removed once read.
+Logs, the spec and the rank records are kept after the launch (the last heartbeats say where
+each rank got to); payload and results are removed once read.
 """
 
+import contextlib
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_RANK_FILE = re.compile(r"^rank_(\d+)\.(log|pkl|err)$")
+_RANK_FILE = re.compile(r"^rank_(\d+)\.(log|pkl|err|pid|beat|stops)$")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+class Heartbeat:
+    """One rank's heartbeat file, kept open: a beat is one fixed-size write in place.
+
+    A few microseconds, where writing a new file and renaming it over the old one costs a
+    few hundred (ext4), so a rank can beat every step. A reader may catch a write half done:
+    the step is written at both ends of the record, and a record whose ends disagree or
+    that does not parse is skipped.
+    """
+
+    _FORMAT = b"%20d %20.6f %8d %20d\n"
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def beat(self, step: int, attempt: int) -> None:
+        os.pwrite(self.fd, self._FORMAT % (step, time.time(), attempt, step), 0)
+
+    @staticmethod
+    def parse(data: bytes) -> dict[str, Any] | None:
+        fields = data.split()
+        if len(fields) != 4 or not data.endswith(b"\n") or fields[0] != fields[3]:
+            return None
+        try:
+            return {"step": int(fields[0]), "time": float(fields[1]), "attempt": int(fields[2])}
+        except ValueError:
+            return None
 
 
 @dataclass(frozen=True)
@@ -57,9 +91,14 @@ class RunDir:
     def results(self) -> Path:
         return self.path / "results"
 
+    @property
+    def ranks(self) -> Path:
+        return self.path / "ranks"
+
     def create(self, spec: dict[str, Any], payload: bytes) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.results.mkdir(parents=True, exist_ok=True)
+        self.ranks.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.spec, json.dumps(spec, indent=2).encode())
         _atomic_write(self.payload, payload)
 
@@ -77,6 +116,48 @@ class RunDir:
 
     def clear_error(self, rank: int) -> None:
         (self.results / f"rank_{rank}.err").unlink(missing_ok=True)
+
+    def write_rank_process(self, rank: int, pid: int, attempt: int) -> None:
+        _atomic_write(
+            self.ranks / f"rank_{rank}.pid",
+            json.dumps({"pid": pid, "attempt": attempt}).encode(),
+        )
+
+    def heartbeat(self, rank: int) -> "Heartbeat":
+        return Heartbeat(self.ranks / f"rank_{rank}.beat")
+
+    def write_stop_check(self, rank: int, attempt: int) -> None:
+        _atomic_write(self.ranks / f"rank_{rank}.stops", json.dumps({"attempt": attempt}).encode())
+
+    def rank_processes(self) -> dict[int, dict[str, int]]:
+        """`{rank: {"pid", "attempt"}}` of every rank that started (latest attempt of each)."""
+        return self._records(self.ranks, "pid")
+
+    def heartbeats(self) -> dict[int, dict[str, Any]]:
+        """`{rank: {"step", "time", "attempt"}}` of every rank that called `runtime.heartbeat`.
+
+        A record caught half-written is left out; the next read has it.
+        """
+        beats = {}
+        for rank, path in self._ranks(self.ranks, "beat").items():
+            with contextlib.suppress(FileNotFoundError):
+                beat = Heartbeat.parse(path.read_bytes())
+                if beat is not None:
+                    beats[rank] = beat
+        return beats
+
+    def stop_checks(self) -> dict[int, dict[str, int]]:
+        """`{rank: {"attempt"}}` of every rank that asked `runtime.should_stop()`."""
+        return self._records(self.ranks, "stops")
+
+    def _records(self, folder: Path, suffix: str) -> dict[int, dict[str, Any]]:
+        records = {}
+        for rank, path in self._ranks(folder, suffix).items():
+            # Written by atomic rename, so a record is whole or absent; a rank may replace it
+            # between listing and reading.
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                records[rank] = json.loads(path.read_bytes())
+        return records
 
     def _ranks(self, folder: Path, suffix: str) -> dict[int, Path]:
         found = {}

@@ -1,4 +1,5 @@
-"""Rank discipline in one place: who am I, which device is mine, and a process group pair.
+"""Rank discipline in one place: who am I, which device is mine, a process group pair, and
+how a rank hears that it should stop or says that it is still making progress.
 
 Every helper reads the torchrun/torch-elastic environment, so it gives the same answer under
 `trainflow.distributed`, `torchrun`, Ray or a plain `python` process (rank 0 of 1).
@@ -8,9 +9,25 @@ import contextlib
 import os
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from trainflow.run_dir import Heartbeat, RunDir
+
+# Set by the launcher's worker on every rank: the launch's run directory, and the bound on a
+# collective (`LaunchOptions.collective_timeout`).
+RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"
+COLLECTIVE_TIMEOUT_ENV = "TRAINFLOW_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+_stop_requested = False
+_stop_check_recorded = False
+# (default group, the gloo group of the stop check made beside it)
+_control: tuple[Any, Any] | None = None
+_heartbeat: tuple[str, Heartbeat] | None = None  # (run directory, this rank's open file)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -36,6 +53,11 @@ def get_world_size() -> int:
 def get_local_world_size() -> int:
     """Number of processes of the job on this node (1 outside a launch)."""
     return _env_int("LOCAL_WORLD_SIZE", 1)
+
+
+def _attempt() -> int:
+    """Which restart of the workers this is (0: the first start)."""
+    return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
 def get_node_rank() -> int:
@@ -78,14 +100,27 @@ def default_backend() -> str:
     return backend_for(get_device().type)
 
 
-def init_process_group(backend: str | None = None, timeout_s: float = 600.0) -> None:
+def collective_timeout_s() -> float:
+    """The launch's bound on one collective (TRAINFLOW_COLLECTIVE_TIMEOUT_S), else 600 s."""
+    value = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    return DEFAULT_COLLECTIVE_TIMEOUT_S if value in (None, "") else float(value)
+
+
+def init_process_group(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Initialise the default process group from the launcher's environment.
 
     On CUDA the rank's device is bound to `LOCAL_RANK` first. When the launcher restarts
     workers (`max_restarts > 0`) the agent's store is reused across attempts, so each attempt
     gets its own key prefix: a restarted rank never reads a dead rank's address.
+
+    `timeout_s` (default: the launch's `collective_timeout`) bounds every collective: a rank
+    whose peer stopped answering fails after it instead of waiting forever, and the launcher
+    then names the peer. A group created with `dist.init_process_group` directly keeps torch's
+    own default (30 minutes for gloo, 10 for nccl).
     """
     backend = backend or default_backend()
+    if timeout_s is None:
+        timeout_s = collective_timeout_s()
     if backend == "nccl":
         torch.cuda.set_device(get_local_rank())
     timeout = timedelta(seconds=timeout_s)
@@ -122,3 +157,81 @@ def process_group(backend: str | None = None) -> Iterator[None]:
         yield
     finally:
         destroy_process_group()
+
+
+def request_stop() -> None:
+    """Note that this rank should stop at the end of its current step.
+
+    What the launcher's SIGTERM handler calls on every rank (a preemption, Ctrl-C or a cancel
+    upstream); a rank may call it too, e.g. on its platform's own preemption notice.
+    """
+    global _stop_requested
+    _stop_requested = True
+
+
+def stop_requested() -> bool:
+    """Whether this process was asked to stop (SIGTERM under the launcher); False elsewhere.
+
+    Local to this rank: a training loop should ask `should_stop()`, which all ranks answer alike.
+    """
+    return _stop_requested
+
+
+def should_stop() -> bool:
+    """Whether any rank was asked to stop: call at the end of every optimizer step, on all ranks.
+
+    A stop request reaches the ranks at different moments (a SIGTERM to one node, or to every
+    rank but handled between different instructions). With a default process group this is a
+    collective: the ranks all-reduce (MAX) their flags, so every rank sees the same answer at
+    the same step and they all write the final checkpoint of that step together. That costs
+    one all-reduce of one number per step (on CUDA also a host sync). Without a group it is
+    `stop_requested()`.
+
+    The first call tells the launcher that this rank acts on stop requests: only then does an
+    interrupted caller wait `stop_grace` for the ranks before killing them.
+    """
+    global _stop_check_recorded
+    if not _stop_check_recorded:
+        _stop_check_recorded = True
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        if run_dir:
+            with contextlib.suppress(OSError):
+                RunDir(Path(run_dir)).write_stop_check(get_global_rank(), _attempt())
+    if not (dist.is_available() and dist.is_initialized()):
+        return _stop_requested
+    flag = torch.tensor([1 if _stop_requested else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_control_group())
+    return bool(flag.item())
+
+
+def _control_group() -> Any:
+    """A gloo group of all ranks for the stop check, created on first use (by every rank).
+
+    Apart from the default group: a technique may keep its own collectives in flight on the
+    default group across steps (FSDP2 prefetches), and a check interleaved with them there
+    would mismatch their messages. On CPU tensors, so a GPU run pays no device sync for it.
+    """
+    global _control
+    group = dist.group.WORLD
+    if _control is None or _control[0] is not group:
+        _control = (group, dist.new_group(backend="gloo"))
+    return _control[1]
+
+
+def heartbeat(step: int) -> None:
+    """Record that this rank reached `step`: call once per optimizer step, on every rank.
+
+    The launcher's hang watchdog (`hang_timeout`) fails the launch when no rank's heartbeat
+    advanced for that long, and names each rank's last step. Every call is recorded (step,
+    wall time), in a few microseconds; calling again with the same step (a rank evaluating
+    or saving) says the rank is alive. A failed write is ignored: a heartbeat must never stop
+    training. No-op outside a `trainflow.distributed` launch.
+    """
+    global _heartbeat
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    with contextlib.suppress(OSError):
+        if _heartbeat is None or _heartbeat[0] != run_dir:
+            _heartbeat = (run_dir, RunDir(Path(run_dir)).heartbeat(get_global_rank()))
+        _heartbeat[1].beat(int(step), _attempt())

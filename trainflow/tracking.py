@@ -8,6 +8,7 @@ buffered sink, so a training step never waits on a tracking-server round trip.
 import contextlib
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -177,52 +178,242 @@ def flatten_params(config: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
+OWNER_HOST_TAG = "trainflow.host"
+OWNER_PID_TAG = "trainflow.pid"
+OWNER_START_TAG = "trainflow.pid_start"
+FAILURE_REASON_TAG = "trainflow.failure_reason"
+RESUMED_TAG = "trainflow.resumed"
+
+# Exceptions that mean "stopped from outside", matched by class name so this module needs
+# neither Prefect (`TerminationSignal`: SIGTERM under a flow run) nor the callers' own types
+# (`Preempted`; `Terminated`: SIGTERM outside a flow run, raised by the command line).
+_STOP_NAMES = frozenset({"TerminationSignal", "Preempted", "Terminated"})
+
+_last_run_id: str | None = None
+
+
+def last_run_id() -> str | None:
+    """The MLflow run `pipeline_run` last opened (or resumed) in this process, if any."""
+    return _last_run_id
+
+
+def is_stop(exc: BaseException) -> bool:
+    """Whether `exc` means the run was stopped (KILLED) rather than failed.
+
+    Ctrl-C, SIGTERM (Prefect raises `TerminationSignal`), a preempted node, exiting, and
+    Prefect's cancellation types (names with Cancel or Abort) are stops.
+    """
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        return True
+    # Ranks preempted on their own (a node taken away) fail the launch with a rank error that
+    # names the rank's exception type.
+    if str(getattr(exc, "exc_type", "")).endswith(".Preempted"):
+        return True
+    names = [cls.__name__ for cls in type(exc).__mro__]
+    return any(n in _STOP_NAMES or "Cancel" in n or "Abort" in n for n in names)
+
+
+def owner_tags() -> dict[str, str]:
+    """Tags naming this process (host, pid, start time), so a later pipeline can tell whether
+    a RUNNING run still has a process behind it; the start time tells a reused pid apart."""
+    import psutil
+
+    return {
+        OWNER_HOST_TAG: socket.gethostname(),
+        OWNER_PID_TAG: str(os.getpid()),
+        OWNER_START_TAG: repr(psutil.Process().create_time()),
+    }
+
+
+def _owner_alive(pid: int, started: float) -> bool:
+    """Whether process `pid` of this host exists and is the one that started at `started`."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return abs(proc.create_time() - started) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True  # cannot look: do not judge
+
+
+def _dead_owner(tags: Mapping[str, str]) -> int | None:
+    """The pid of the run's owner when it is a process of this host that has exited, else None
+    (alive, another host's, or a run without owner tags)."""
+    if tags.get(OWNER_HOST_TAG) != socket.gethostname():
+        return None
+    try:
+        pid, started = int(tags[OWNER_PID_TAG]), float(tags[OWNER_START_TAG])
+    except (KeyError, ValueError):
+        return None
+    return None if _owner_alive(pid, started) else pid
+
+
+def reap_orphaned_runs(client: Any, experiment_id: str) -> list[str]:
+    """Mark FAILED the RUNNING runs of the experiment whose process on this host has exited.
+
+    A process killed outright (SIGKILL, out of memory) cannot end its run, which would show
+    RUNNING forever. Runs owned by other hosts are left alone: their processes cannot be seen
+    from here. Each reaped run gets a `trainflow.failure_reason` tag. Returns their ids.
+    """
+    host = socket.gethostname()
+    query = f"attributes.status = 'RUNNING' and tags.`{OWNER_HOST_TAG}` = '{host}'"
+    reaped: list[str] = []
+    token = None
+    while True:
+        page = client.search_runs(
+            [experiment_id], filter_string=query, max_results=1000, page_token=token
+        )
+        for run in page:
+            pid = _dead_owner(run.data.tags)
+            if pid is None:
+                continue
+            reason = (
+                f"the process that ran it (pid {pid} on {host}) exited without ending the run "
+                "(killed or crashed)"
+            )
+            client.set_tag(run.info.run_id, FAILURE_REASON_TAG, reason)
+            client.set_terminated(run.info.run_id, status="FAILED")
+            reaped.append(run.info.run_id)
+        token = page.token
+        if not token:
+            return reaped
+
+
+def _experiment_id(client: Any, experiment: str) -> str:
+    found = client.get_experiment_by_name(experiment)
+    if found:
+        return str(found.experiment_id)
+    return str(
+        client.create_experiment(experiment, artifact_location=_artifact_location(experiment))
+    )
+
+
+def _resume(client: Any, experiment: str, experiment_id: str, run_id: str) -> None:
+    """Set an unfinished run of `experiment` back to RUNNING, owned by this process."""
+    from mlflow.entities import RunTag
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise ValueError(
+            f"cannot resume MLflow run {run_id}: no such run in {tracking_uri()}"
+        ) from None
+    if run.info.experiment_id != experiment_id or run.info.lifecycle_stage == "deleted":
+        where = client.get_experiment(run.info.experiment_id).name
+        what = "was deleted" if run.info.lifecycle_stage == "deleted" else f"is in {where!r}"
+        raise ValueError(
+            f"cannot resume MLflow run {run_id} in experiment {experiment!r}: it {what}"
+        )
+    if run.info.status == "FINISHED":
+        raise ValueError(f"MLflow run {run_id} already finished; nothing to resume")
+    tags = run.data.tags
+    if run.info.status == "RUNNING" and tags.get(OWNER_HOST_TAG) == socket.gethostname():
+        pid = int(tags.get(OWNER_PID_TAG, "0") or 0)
+        if pid and _dead_owner(tags) is None:
+            raise ValueError(
+                f"cannot resume MLflow run {run_id}: it is still running "
+                f"(pid {pid} on {tags[OWNER_HOST_TAG]})"
+            )
+    resumed = int(tags.get(RESUMED_TAG, "0") or 0) + 1
+    # Owner first, status second: a reaper never sees it RUNNING under the old, dead owner.
+    new_tags = {**owner_tags(), RESUMED_TAG: str(resumed)}
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in new_tags.items()])
+    if FAILURE_REASON_TAG in tags:
+        client.delete_tag(run_id, FAILURE_REASON_TAG)
+    client.update_run(run_id, status="RUNNING")
+
+
 @contextlib.contextmanager
 def pipeline_run(
     experiment: str,
     run_name: str,
     params: Mapping[str, Any],
     tags: Mapping[str, str] | None = None,
+    resume_run_id: str | None = None,
 ) -> Iterator[str]:
     """Open the pipeline's MLflow run and always close it with the right status.
 
-    Yields the run id. The run ends FINISHED on success, KILLED on cancellation (Ctrl-C,
-    SIGTERM or a cancelled Prefect run) and FAILED on any other error, never left RUNNING.
+    Yields the run id. The run ends FINISHED on success, KILLED when stopped (Ctrl-C, SIGTERM,
+    a cancelled Prefect run, a preempted node: `is_stop`) and FAILED on any other error, never
+    left RUNNING by this process. The run is tagged with its owner (`owner_tags`); RUNNING runs
+    whose owner on this host has exited are marked FAILED first (`reap_orphaned_runs`).
+
+    With `resume_run_id`, that unfinished run of `experiment` is continued instead of a new one
+    (`run_name`, `params` and `tags` are not logged again: the run keeps its own); ValueError if
+    it is not in the experiment, already FINISHED, or still running in a live process here.
     """
     import mlflow
 
+    global _last_run_id
     mlflow.set_tracking_uri(tracking_uri())
     client = _client()
-    with store_lock():  # two runs starting together must not both create the experiment
-        found = client.get_experiment_by_name(experiment)
-        experiment_id = (
-            found.experiment_id
-            if found
-            else client.create_experiment(
-                experiment, artifact_location=_artifact_location(experiment)
+    # Under the lock: two runs starting together must not both create the experiment, and a
+    # run being resumed must not be reaped or resumed by another process meanwhile.
+    with store_lock():
+        experiment_id = _experiment_id(client, experiment)
+        reap_orphaned_runs(client, experiment_id)
+        if resume_run_id is None:
+            run = client.create_run(
+                experiment_id, run_name=run_name, tags={**(tags or {}), **owner_tags()}
             )
-        )
-    run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
-    run_id = run.info.run_id
-    from mlflow.entities import Param
-
-    items = list(flatten_params(params).items())
-    for i in range(0, len(items), 100):
-        client.log_batch(run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
+            run_id = run.info.run_id
+        else:
+            _resume(client, experiment, experiment_id, resume_run_id)
+            run_id = resume_run_id
+    _last_run_id = run_id
     status = "FAILED"
     try:
+        if resume_run_id is None:
+            from mlflow.entities import Param
+
+            items = list(flatten_params(params).items())
+            for i in range(0, len(items), 100):
+                client.log_batch(run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
         yield run_id
         status = "FINISHED"
-    except (KeyboardInterrupt, SystemExit, GeneratorExit):
-        status = "KILLED"
-        raise
     except BaseException as exc:
-        # Prefect signals cancellation with its own exception types.
-        if "Cancel" in type(exc).__name__ or "Abort" in type(exc).__name__:
+        if is_stop(exc):
             status = "KILLED"
         raise
     finally:
         client.set_terminated(run_id, status=status)
+
+
+def find_unfinished_run(experiment: str, tag: str, value: str) -> str | None:
+    """The newest run of `experiment` tagged `tag`=`value` that did not finish, else None.
+
+    A retried Prefect flow run finds the MLflow run its earlier attempt opened (tagged with the
+    flow run id) and continues it (`pipeline_run(..., resume_run_id=...)`).
+    """
+    client = _client()
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    # MLflow's filter language has no escapes: quote with the quote the value lacks, or
+    # compare in Python when it has both.
+    quote = next((q for q in ("'", '"') if q not in value), None)
+    tag_filter = f"tags.`{tag}` = {quote}{value}{quote} and " if quote else ""
+    runs = [
+        run
+        for run in client.search_runs(
+            [found.experiment_id],
+            filter_string=f"{tag_filter}attributes.status != 'FINISHED'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1 if quote else 1000,
+        )
+        if run.data.tags.get(tag) == value
+    ]
+    return runs[0].info.run_id if runs else None
+
+
+def run_status(run_id: str) -> str:
+    """The run's status in the store (RUNNING, FINISHED, FAILED, KILLED, ...)."""
+    return str(_client().get_run(run_id).info.status)
 
 
 def log_metrics(run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:

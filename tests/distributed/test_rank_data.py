@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.unit.conftest_data import chat_config
-from trainflow import launch
+from trainflow import checkpoint, launch
 from trainflow.configs.sft import SFTJob, load_sft_preset
 from trainflow.data import LoaderConfig, build_dataloader, prepare_dataset
 from trainflow.strategies import DDPConfig, FSDPConfig, OptimizerConfig, build_strategy
@@ -116,3 +116,45 @@ def test_each_rank_reads_its_own_partition_through_the_trainer(chat_split, techn
     # The model the Trainer trained is really wrapped by the technique, not just configured.
     expected = "DistributedDataParallel" if technique.name == "ddp" else "FSDPLlamaForCausalLM"
     assert result.wrapped_as == expected
+
+
+@pytest.mark.parametrize("technique", [DDPConfig(), FSDPConfig()], ids=["ddp", "fsdp"])
+def test_the_trainer_resumes_at_the_next_unseen_sample(chat_split, technique, tmp_path):
+    """A run resumed from a checkpoint in its second epoch trains on exactly the batches the
+    uninterrupted run trained on after that step, and logs the same losses."""
+    data, _ = chat_split
+    saved_at, steps = STEPS_PER_EPOCH + 1, STEPS_PER_EPOCH + 3
+    preset = load_sft_preset("debug_cpu")
+    config = preset.model_copy(
+        update={
+            "max_steps": steps,
+            "checkpoint_every": saved_at,
+            "technique": technique,
+            "training": preset.training.model_copy(
+                update={"per_device_batch_size": BATCH, "logging_steps": 1}
+            ),
+        }
+    )
+
+    def run(out: Path, resume_from: Path | None = None) -> list[dict[str, Any]]:
+        workload = Workload(
+            train_fn=ids_through_the_trainer,
+            model_fn="trainflow.workloads.sft:build_model",
+            config=SFTJob(config=config, data=data),
+            output_dir=str(out),
+            framework="hf",
+            resume_from=str(resume_from) if resume_from else None,
+        )
+        options = config.resources.launch_options()
+        return launch(run_on_rank, (workload, technique), options=options).values
+
+    full = run(tmp_path / "full")
+    saved = tmp_path / "full" / "checkpoints" / f"checkpoint-{saved_at}"
+    assert checkpoint.read_meta(saved)["step"] == saved_at
+    resumed = run(tmp_path / "resumed", saved)
+    for rank in (0, 1):
+        assert resumed[rank]["ids"] == full[rank]["ids"][saved_at:], f"rank {rank}"
+    before, after = full[0]["result"].history, resumed[0]["result"].history
+    assert sorted(after) == list(range(saved_at + 1, steps + 1))
+    for step in after:
+        assert after[step]["loss"] == pytest.approx(before[step]["loss"], rel=1e-3), step

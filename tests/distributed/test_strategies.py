@@ -32,7 +32,9 @@ OUTPUT_ATOL = 1e-4
 TINY = {"vocab_size": 64, "seq_len": 8, "d_model": 32, "num_heads": 2, "num_layers": 2, "d_ff": 64}
 
 
-def tiny_config(technique: TechniqueConfig, gpus: int = 2, **training) -> TransformerConfig:
+def tiny_config(
+    technique: TechniqueConfig, gpus: int = 2, checkpoint_every: int = 0, **training
+) -> TransformerConfig:
     return TransformerConfig(
         model=TINY,
         training={"num_steps": 6, "global_batch_size": 8, "log_every": 1} | training,
@@ -40,6 +42,7 @@ def tiny_config(technique: TechniqueConfig, gpus: int = 2, **training) -> Transf
         gpus=gpus,
         gpu_type="cpu",
         timeout_s=300,
+        checkpoint_every=checkpoint_every,
     )
 
 

@@ -109,9 +109,11 @@ def _a_rank(caller: psutil.Process) -> psutil.Process | None:
     return None
 
 
-def test_rank_dying_mid_training_fails_the_run_and_registers_nothing(prefect_api):
+def test_rank_dying_mid_training_without_retries_fails_the_run_and_registers_nothing(
+    prefect_api,
+):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.sft", "--max-steps", "100000"]
+        [sys.executable, "-m", "flows.sft", "--max-steps", "100000", "--retries", "0"]
         + ["--registered-model-name", "sft-fail"],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,

@@ -19,7 +19,7 @@ TINY_ARGS = [
     *("--model-vocab-size", "64", "--model-seq-len", "16", "--model-d-model", "32"),
     *("--model-num-heads", "2", "--model-num-layers", "2", "--model-d-ff", "64"),
     *("--training-num-steps", "30", "--training-optimizer-learning-rate", "0.003"),
-    *("--training-checkpoint-every", "15", "--gpu-type", "cpu"),
+    *("--checkpoint-every", "15", "--gpu-type", "cpu"),
 ]
 
 

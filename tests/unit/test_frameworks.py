@@ -186,7 +186,7 @@ def test_hf_trainer_args_for_fsdp_on_gpu(two_ranks):
         os.environ["FSDP_VERSION"],
         os.environ["FSDP_RESHARD_AFTER_FORWARD"],
         os.environ["FSDP_STATE_DICT_TYPE"],
-    ) == ("2", "false", "FULL_STATE_DICT")
+    ) == ("2", "false", "SHARDED_STATE_DICT")
 
 
 def test_hf_trainer_args_for_deepspeed_on_gpu(two_ranks):

@@ -4,13 +4,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from trainflow.configs.base import PipelineConfig
 from trainflow.gate import Threshold
 from trainflow.paths import SafeName
-from trainflow.resources import Resources
 from trainflow.strategies.config import DDPConfig, OptimizerConfig
 
 
-class MLPConfig(Resources):
+class MLPConfig(PipelineConfig):
     """Everything the MLP pipeline needs; shown as the run form in the Prefect UI."""
 
     num_features: int = Field(10, ge=1, description="Input features of the synthetic data.")
@@ -26,6 +26,11 @@ class MLPConfig(Resources):
     learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate.")
     seed: int = Field(0, description="Seed for data order, sampling and initial weights.")
     log_every: int = Field(25, ge=1, description="Log the training loss every N steps.")
+    log_samples: bool = Field(
+        False,
+        description="Record the row ids each rank trained on at each step "
+        "(samples/rank_N.jsonl in the run's output folder), an audit trail of the data order.",
+    )
     experiment_name: SafeName = Field("mlp", description="MLflow experiment.")
     registered_model_name: SafeName = Field(
         "mlp", description="MLflow registered model to add a version to (letters, digits, ._-)."

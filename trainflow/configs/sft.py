@@ -8,11 +8,11 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainflow.configs.base import PipelineConfig
 from trainflow.data.config import PRESETS_DIR as DATA_PRESETS_DIR
 from trainflow.data.config import REPO_ROOT, ChatTransform, DataConfig, PreparedDataset, load_preset
 from trainflow.gate import Threshold, gate_failures
 from trainflow.paths import SafeName
-from trainflow.resources import Resources
 from trainflow.strategies.config import (
     DDPConfig,
     OptimizerConfig,
@@ -92,7 +92,7 @@ class EvaluationSettings(_Model):
         ]
 
 
-class SFTConfig(Resources):
+class SFTConfig(PipelineConfig):
     """Everything the SFT pipeline needs; shown as the run form in the Prefect UI."""
 
     model: str = Field(

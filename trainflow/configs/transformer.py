@@ -2,9 +2,9 @@
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainflow.configs.base import PipelineConfig
 from trainflow.gate import Threshold
 from trainflow.paths import SafeName
-from trainflow.resources import Resources
 from trainflow.strategies.config import FSDPConfig, OptimizerConfig, TechniqueConfig
 
 
@@ -63,9 +63,6 @@ class TrainingConfig(BaseModel):
         default_factory=OptimizerConfig, description="AdamW settings."
     )
     log_every: int = Field(default=5, ge=1, description="Log loss and accuracy every N steps.")
-    checkpoint_every: int = Field(
-        default=20, ge=0, description="Checkpoint every N steps and at the end; 0 disables."
-    )
     seed: int = Field(default=0, description="Seed for the initial weights and the data.")
 
     def micro_batch_size(self, world_size: int) -> int:
@@ -79,7 +76,7 @@ class TrainingConfig(BaseModel):
         return self.global_batch_size // split
 
 
-class TransformerConfig(Resources):
+class TransformerConfig(PipelineConfig):
     """Everything the transformer pipeline needs; shown as the run form in the Prefect UI."""
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="Transformer shape.")
@@ -98,6 +95,12 @@ class TransformerConfig(Resources):
     registered_model_name: SafeName = Field(
         default="transformer",
         description="MLflow registered model to add a version to (letters, digits, ._-).",
+    )
+    checkpoint_every: int = Field(
+        default=20,
+        ge=0,
+        description="Checkpoint every N optimizer steps, at the end and on a stop (Ctrl-C, "
+        "SIGTERM, cancel); 0: never, and a crash restarts from step 0.",
     )
     min_eval_accuracy: float = Field(
         default=0.5, ge=0, le=1, description="Register only when held-out accuracy reaches this."

@@ -19,6 +19,7 @@ process group already open, and start no process of their own.
 """
 
 import contextlib
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -240,21 +241,49 @@ class Strategy(ABC):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def save(self, path: Path, step: int) -> None:
-        """Write a checkpoint of model, optimizer and step to `path` (every rank calls this)."""
-        self._save(path)
+    def save(
+        self, path: Path, step: int, keep: int | None = None, extra: dict[str, Any] | None = None
+    ) -> None:
+        """Checkpoint model, optimizer, step, every rank's RNG streams and `extra` to `path`.
+
+        Every rank calls this. The files are written to a partial folder first; rank 0 makes it
+        visible as `path` only once every rank has finished, then keeps the newest `keep`.
+
+        Args:
+            path: The checkpoint folder (`checkpoint.checkpoint_path(root, step)`).
+            step: Optimizer steps done.
+            keep: Complete checkpoints to keep under `path.parent` (None: all).
+            extra: This rank's small resume values (e.g. the data position).
+        """
+        partial = checkpoint.partial_path(path)
+        if runtime.is_rank_zero():
+            shutil.rmtree(partial, ignore_errors=True)  # a save an earlier attempt left
+            partial.mkdir(parents=True)
+        dist.barrier()
+        self._save(partial)
+        checkpoint.save_rank_state(partial, runtime.get_global_rank(), extra)
         dist.barrier()
         if runtime.is_rank_zero():
-            checkpoint.mark_complete(
-                path, step, technique=self.name, world_size=runtime.get_world_size()
+            checkpoint.publish(
+                partial,
+                path,
+                step,
+                keep=keep,
+                technique=self.name,
+                world_size=runtime.get_world_size(),
             )
         dist.barrier()
 
-    def load(self, path: Path) -> int:
-        """Restore model and optimizer from the checkpoint at `path`; return its step."""
+    def load(self, path: Path) -> tuple[int, dict[str, Any] | None]:
+        """Restore model, optimizer and this rank's RNG streams from the checkpoint at `path`.
+
+        Returns:
+            The checkpoint's step, and this rank's `extra` (None when the checkpoint has no
+            state for this rank: it was written by fewer ranks).
+        """
         step = int(checkpoint.read_meta(path)["step"])
         self._load(path)
-        return step
+        return step, checkpoint.load_rank_state(path, runtime.get_global_rank())
 
     @abstractmethod
     def _save(self, path: Path) -> None: ...

@@ -109,8 +109,10 @@ class FSDPStrategy(TorchStrategy):
         # reads the FSDP version (2 = fully_shard) and resharding from it too.
         os.environ["FSDP_VERSION"] = "2"
         os.environ["FSDP_RESHARD_AFTER_FORWARD"] = str(self.config.reshard_after_forward).lower()
-        # save_model gathers a full state dict (rank 0 writes a plain Hugging Face folder).
-        os.environ["FSDP_STATE_DICT_TYPE"] = "FULL_STATE_DICT"
+        # Checkpoints are sharded (DCP, every rank writes and reads its own part): accelerate's
+        # full-state-dict load has only rank 0 join the broadcast under FSDP2. The trained model
+        # is exported by gathering its shards (`gather_full_state_dict`), not by `save_model`.
+        os.environ["FSDP_STATE_DICT_TYPE"] = "SHARDED_STATE_DICT"
         return {
             "fsdp": "full_shard auto_wrap" + (" offload" if self.config.cpu_offload else ""),
             "fsdp_config": {

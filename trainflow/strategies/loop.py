@@ -4,6 +4,8 @@ It never asks which technique runs it: the strategy decides how backward, the op
 gradient synchronisation and checkpoints work.
 """
 
+import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainflow import checkpoint, runtime
+from trainflow.errors import Preempted
 from trainflow.strategies.base import Strategy
 from trainflow.tracking import MetricsSink, ProgressFile
 
@@ -26,11 +29,12 @@ ComputeFn = Callable[[nn.Module, Batch], Mapping[str, torch.Tensor]]
 
 @dataclass(frozen=True)
 class Schedule:
-    """When to stop, log and checkpoint."""
+    """When to stop, log and checkpoint, and how many checkpoints to keep."""
 
     num_steps: int
     log_every: int
     checkpoint_every: int
+    keep_checkpoints: int | None = None
 
     def should_log(self, step: int) -> bool:
         """Log every `log_every` steps and at the last step."""
@@ -75,6 +79,38 @@ def mean_over_ranks(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(keys, (stacked / dist.get_world_size()).tolist(), strict=True))
 
 
+class SampleLog:
+    """Which samples this rank trained on at each step, and when the step ended: one JSON line
+    per step, appended.
+
+    A step recomputed after a resume is written again; the last line of a step is the one its
+    weights came from.
+    """
+
+    def __init__(self, path: Path | None, ids: Callable[[Batch], list[int]]):
+        self.path = path
+        self.ids = ids
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, step: int, micro: Sequence[Batch]) -> None:
+        if self.path is None:
+            return
+        ids = [i for batch in micro for i in self.ids(batch)]
+        line = {"step": step, "time": time.time(), "ids": ids}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def read_sample_log(path: str | Path) -> dict[int, list[int]]:
+    """Step -> sample ids from a `SampleLog` file (the last record of a step wins)."""
+    steps: dict[int, list[int]] = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        steps[record["step"]] = record["ids"]
+    return steps
+
+
 def fit(
     strategy: Strategy,
     batches: Callable[[int], Sequence[Batch]],
@@ -84,8 +120,13 @@ def fit(
     checkpoint_root: Path,
     start_step: int = 0,
     progress_file: Path | None = None,
+    sample_log: SampleLog | None = None,
 ) -> FitResult:
     """Train from `start_step` to `schedule.num_steps`.
+
+    After every step the ranks agree whether a stop was requested (SIGTERM to the ranks: a
+    preemption, Ctrl-C or a cancel upstream); if so they write a checkpoint at the step reached
+    and raise `Preempted`, so the run can continue from there.
 
     Args:
         strategy: A strategy whose `wrap` has run.
@@ -96,6 +137,10 @@ def fit(
         checkpoint_root: Folder for `step_NNNNNN` checkpoints.
         start_step: Steps already done (from a checkpoint).
         progress_file: Where rank 0 records steps done (other ranks and None: nowhere).
+        sample_log: Where this rank records the sample ids of each step (None: nowhere).
+
+    Raises:
+        Preempted: a stop was requested; the checkpoint of the step reached is written.
     """
     model, device = strategy.wrapped, strategy.device
     result = FitResult(steps=start_step)
@@ -111,6 +156,9 @@ def fit(
                 totals[key] = totals.get(key, 0) + value.detach() / len(micro)
         strategy.step()
         result.steps = step
+        runtime.heartbeat(step)
+        if sample_log is not None:
+            sample_log.record(step, micro)
         if schedule.should_log(step):
             logged = mean_over_ranks(totals)
             result.history[step] = logged
@@ -118,10 +166,23 @@ def fit(
             shown = " ".join(f"{k} {v:.4f}" for k, v in logged.items())
             runtime.print0(f"step {step}/{schedule.num_steps} {shown}")
             progress.update(step)
-        if schedule.should_checkpoint(step):
+        stop = runtime.should_stop()
+        if schedule.should_checkpoint(step) or (stop and schedule.checkpoint_every > 0):
             path = checkpoint.checkpoint_path(checkpoint_root, step)
-            strategy.save(path, step)
+            strategy.save(path, step, keep=schedule.keep_checkpoints)
             result.last_checkpoint = path
+        if stop:
+            sink.flush()
+            progress.update(step)
+            saved = (
+                f"checkpoint {result.last_checkpoint}"
+                if result.last_checkpoint
+                else "no checkpoint"
+            )
+            runtime.print0(f"stop requested: stopped after step {step}; {saved}")
+            raise Preempted(
+                f"rank {runtime.get_global_rank()} stopped on request after step {step} ({saved})"
+            )
     sink.flush()
     progress.update(result.steps)
     return result

@@ -4,6 +4,7 @@
 the shared loop; `evaluate` runs wherever the trained weights are.
 """
 
+import itertools
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,12 +14,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from trainflow import runtime
+from trainflow import checkpoint, runtime
 from trainflow.configs.mlp import MLPConfig
 from trainflow.models.mlp import SimpleMLP
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.job import TrainResult, local_path
-from trainflow.strategies.loop import Batch, Schedule, fit
+from trainflow.strategies.loop import Batch, SampleLog, Schedule, fit
 from trainflow.tracking import PROGRESS_FILE, metrics_sink, register_pytorch_model
 from trainflow.workloads import Evaluation
 
@@ -40,33 +41,52 @@ def make_regression(
     return x, y.unsqueeze(1)
 
 
-def _batches(config: MLPConfig) -> Iterator[list[Batch]]:
-    """This rank's shard of the training rows, reshuffled each epoch, one micro-batch a step."""
+def steps_per_epoch(config: MLPConfig, world_size: int) -> int:
+    """Full batches each rank gets from one pass over its shard of the training rows."""
+    return (config.num_train_samples // world_size) // config.batch_size
+
+
+def _batches(config: MLPConfig, start_step: int = 0) -> Iterator[list[Batch]]:
+    """This rank's shard of the training rows, reshuffled each epoch, one micro-batch a step.
+
+    The order is a function of the seed and the epoch only, so a run resumed after `start_step`
+    steps continues at the very batch the uninterrupted run would have drawn next. Batches are
+    `(x, y, row_ids)`.
+    """
     x, y = make_regression(
         config.num_train_samples, config.num_features, config.seed, config.noise_std
     )
-    dataset = TensorDataset(x, y)
+    dataset = TensorDataset(x, y, torch.arange(len(x)))
     sampler: DistributedSampler = DistributedSampler(
         dataset, shuffle=True, seed=config.seed, drop_last=True
     )
     loader = DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, drop_last=True)
-    for epoch in range(config.num_epochs):
+    per_epoch = steps_per_epoch(config, runtime.get_world_size())
+    first_epoch, skip = divmod(start_step, per_epoch)
+    for epoch in range(first_epoch, config.num_epochs):
         sampler.set_epoch(epoch)
-        for batch in loader:
+        batches = iter(loader)
+        if epoch == first_epoch:
+            batches = itertools.islice(batches, skip, None)
+        for batch in batches:
             yield [batch]
 
 
 def num_steps(config: MLPConfig, world_size: int) -> int:
     """Steps of `num_epochs` full batches on every rank, capped by `max_steps`."""
-    per_rank = config.num_train_samples // world_size
-    total = config.num_epochs * (per_rank // config.batch_size)
+    total = config.num_epochs * steps_per_epoch(config, world_size)
     return min(total, config.max_steps or total)
 
 
 def compute(model: nn.Module, batch: Batch) -> dict[str, Tensor]:
     """Mean squared error of one micro-batch."""
-    x, y = batch
+    x, y, _row_ids = batch
     return {"loss": F.mse_loss(model(x), y)}
+
+
+def sample_log_path(output_dir: str | Path, rank: int) -> Path:
+    """Where rank `rank` records the row ids it trained on (with `log_samples`)."""
+    return Path(output_dir) / "samples" / f"rank_{rank}.jsonl"
 
 
 def build_model(config: MLPConfig) -> SimpleMLP:
@@ -82,10 +102,12 @@ def train(
     mlflow_run_id: str | None = None,
     resume_from: str | None = None,
 ) -> TrainResult:
-    """Train on this rank with `strategy` (DDP by default); export the weights as `model.pt`."""
-    if resume_from is not None:
-        raise ValueError("resume_from: the MLP workload writes no checkpoints to resume from")
-    world = runtime.get_world_size()
+    """Train on this rank with `strategy` (DDP by default); export the weights as `model.pt`.
+
+    Continues from the latest complete checkpoint under `resume_from` when there is one: the
+    weights, the optimizer, the RNG streams and the data order (a function of the step).
+    """
+    rank, world = runtime.get_global_rank(), runtime.get_world_size()
     torch.manual_seed(config.seed)
     strategy.wrap(
         build_model(config),
@@ -93,21 +115,28 @@ def train(
         micro_batch_size=config.batch_size,
         grad_accum_steps=1,
     )
+    start = 0
+    if (resume := checkpoint.resolve(resume_from)) is not None:
+        start, _ = strategy.load(resume)
+        runtime.print0(f"resumed from {resume} at step {start}")
     steps = num_steps(config, world)
     print(
-        f"rank {runtime.get_global_rank()}/{world} on {strategy.device}: "
+        f"rank {rank}/{world} on {strategy.device}: "
         f"{config.num_train_samples // world} rows, {steps} steps of {config.batch_size}",
         flush=True,
     )
-    batches = _batches(config)
+    batches = _batches(config, start)
+    samples = sample_log_path(output_dir, rank) if config.log_samples else None
     fitted = fit(
         strategy,
         lambda _step: next(batches),
         compute,
-        Schedule(steps, config.log_every, checkpoint_every=0),
+        Schedule(steps, config.log_every, config.checkpoint_every, config.keep_checkpoints),
         metrics_sink(mlflow_run_id, runtime.is_rank_zero()),
         Path(output_dir) / "checkpoints",
+        start_step=start,
         progress_file=Path(output_dir) / PROGRESS_FILE,
+        sample_log=SampleLog(samples, lambda batch: batch[2].tolist()),
     )
     model_path = Path(output_dir).resolve() / "model.pt"
     strategy.export(model_path)
@@ -118,7 +147,7 @@ def train(
         steps=fitted.steps,
         metrics=fitted.last_metrics(),
         history=fitted.history,
-        checkpoint_uri=None,
+        checkpoint_uri=checkpoint.uri(fitted.last_checkpoint),
         model_uri=model_path.as_uri(),
     )
 

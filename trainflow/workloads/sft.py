@@ -149,10 +149,12 @@ class LMCollate:
         return batch
 
 
-def train_loader(job: SFTJob, pad_token_id: int) -> Any:
+def train_loader(job: SFTJob, pad_token_id: int, state: dict[str, Any] | None = None) -> Any:
     """This rank's loader over its own partition of the train split, reshuffled each epoch.
 
     `streaming` partitions the split by the launcher's ranks; no other sampler shards it again.
+    `state` (a `loader.state_dict()` saved with a checkpoint) continues right after the last
+    sample the checkpointed step trained on.
     """
     from trainflow.data import LoaderConfig, build_dataloader
 
@@ -164,6 +166,7 @@ def train_loader(job: SFTJob, pad_token_id: int) -> Any:
         job.data.uri,
         "train",
         config,
+        state=state,
         collate_fn=LMCollate(pad_token_id, job.config.max_length),
     )
 
@@ -180,6 +183,41 @@ def _on_rank(trainer_class: type, loader: Any) -> type:
 
         def get_train_dataloader(self) -> Any:
             return loader
+
+        def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+            """Skip the plain weights copy in a checkpoint when FSDP shards the model.
+
+            With FSDP2 the Trainer's `save_model` has rank 0 alone read parameters that are
+            still sharded, which waits on collectives the other ranks never join. Every rank
+            writes the checkpoint's FSDP model and optimizer state right after
+            (`save_fsdp_model`); that is what a resume loads. The trained model is exported
+            by `_save_sharded`.
+            """
+            if _internal_call and self.is_fsdp_enabled:
+                return
+            super().save_model(output_dir, _internal_call)
+
+        def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+            """Load the optimizer state onto the CPU for CPU ranks.
+
+            With several CPU ranks the Trainer maps the saved state to `cpu:<rank>`, a
+            location `torch.load` cannot restore to.
+            """
+            plain_cpu = not (self.is_fsdp_enabled or self.is_deepspeed_enabled)
+            if checkpoint is None or self.args.device.type != "cpu" or not plain_cpu:
+                super()._load_optimizer_and_scheduler(checkpoint)
+                return
+            import torch
+            from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+            folder = Path(checkpoint)
+            if (folder / OPTIMIZER_NAME).is_file() and (folder / SCHEDULER_NAME).is_file():
+                optimizer = torch.load(
+                    folder / OPTIMIZER_NAME, map_location="cpu", weights_only=True
+                )
+                self.optimizer.load_state_dict(optimizer)
+                scheduler = torch.load(folder / SCHEDULER_NAME, weights_only=True)
+                self.lr_scheduler.load_state_dict(scheduler)
 
         def get_batch_samples(self, epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
@@ -221,6 +259,63 @@ class ProgressCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.sink.flush()
         self.progress.update(state.global_step)
+
+
+DATA_STATE = "data_state.json"
+
+
+class DurableCallback(TrainerCallback):
+    """Checkpoints a resume can trust, and a stop that leaves one behind.
+
+    - After the Trainer saved `checkpoint-N` on every rank, rank 0 adds the loader's position
+      (`data_state.json`) and the completion marker, so a resume only ever reads a whole
+      checkpoint and continues at the next unseen sample.
+    - After every step the ranks agree whether a stop was requested (SIGTERM: a preemption,
+      Ctrl-C or a cancel upstream); if so the Trainer saves and stops at that step.
+    """
+
+    def __init__(self, loader: Any, checkpointing: bool, technique: str) -> None:
+        self.loader = loader
+        self.checkpointing = checkpointing
+        self.technique = technique
+        self.stopped_at: int | None = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        runtime.heartbeat(state.global_step)
+        if runtime.should_stop():
+            self.stopped_at = state.global_step
+            control.should_save = self.checkpointing
+            control.should_training_stop = True
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        import json
+
+        import torch.distributed as dist
+
+        from trainflow import checkpoint
+
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        data_state = self.loader.state_dict()  # every rank: it counts this rank's samples
+        if dist.is_initialized():
+            dist.barrier()  # every rank has written its part of the checkpoint
+        if runtime.is_rank_zero():
+            (folder / DATA_STATE).write_text(json.dumps(data_state))
+            checkpoint.mark_complete(
+                folder,
+                state.global_step,
+                technique=self.technique,
+                world_size=runtime.get_world_size(),
+            )
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def read_data_state(checkpoint_dir: Path) -> dict[str, Any] | None:
+    """The loader position saved with a checkpoint, if any."""
+    import json
+
+    path = checkpoint_dir / DATA_STATE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def technique_arguments(
@@ -272,6 +367,11 @@ def _layer_classes(model: PreTrainedModel) -> list[str]:
     return sorted(set(getattr(model, "_no_split_modules", None) or []))
 
 
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    """Where the Trainer writes its `checkpoint-N` folders."""
+    return Path(output_dir) / "checkpoints"
+
+
 def trained_model_dir(output_dir: str | Path) -> Path:
     """Where `train` saves the trained weights (an adapter when LoRA was used)."""
     return Path(output_dir) / "model"
@@ -288,7 +388,7 @@ def _trainer_config(config: SFTConfig, strategy: Strategy, model: Any, out: Path
 
     t, opt = config.training, config.training.optimizer
     return TrainerConfig(
-        output_dir=str(out / "trainer"),
+        output_dir=str(checkpoints_dir(out)),
         max_steps=config.max_steps,
         per_device_train_batch_size=t.per_device_batch_size,
         gradient_accumulation_steps=t.grad_accum_steps,
@@ -300,7 +400,12 @@ def _trainer_config(config: SFTConfig, strategy: Strategy, model: Any, out: Path
         warmup_steps=t.warmup_steps,
         lr_scheduler_type=t.lr_scheduler,
         logging_steps=t.logging_steps,
-        save_strategy="no",
+        save_strategy="steps" if config.checkpoint_every else "no",
+        save_steps=config.checkpoint_every or 500,
+        save_total_limit=config.keep_checkpoints,
+        # The loader's own saved position says where to continue; the Trainer must not skip
+        # batches of it again.
+        ignore_data_skip=True,
         report_to=[],
         seed=t.seed,
         data_seed=t.seed,
@@ -353,11 +458,20 @@ def train(
     mlflow_run_id: str | None = None,
     resume_from: str | None = None,
 ) -> TrainResult:
-    """Fine-tune on this rank with `SFTTrainer`; save the trained weights (rank 0 writes)."""
+    """Fine-tune on this rank with `SFTTrainer`; save the trained weights (rank 0 writes).
+
+    Checkpoints are the Trainer's own (model, optimizer, scheduler, RNG streams, step) plus the
+    loader's position. With a complete checkpoint under `resume_from`, training continues
+    from it at the next unseen sample.
+
+    Raises:
+        Preempted: a stop was requested; the Trainer saved a checkpoint at the step reached.
+    """
     from trl import SFTTrainer
 
-    if resume_from is not None:
-        raise ValueError("resume_from: the SFT workload does not resume from checkpoints yet")
+    from trainflow import checkpoint
+    from trainflow.errors import Preempted
+
     datasets.disable_progress_bars()
     config = job.config
     out = Path(output_dir)
@@ -376,16 +490,31 @@ def train(
     columns = datasets.Dataset.from_dict(
         {"input_ids": [[tokenizer.pad_token_id]], "labels": [[-100]]}
     )
-    trainer = _on_rank(SFTTrainer, train_loader(job, tokenizer.pad_token_id))(
+    resume = checkpoint.resolve(resume_from)
+    loader = train_loader(
+        job, tokenizer.pad_token_id, read_data_state(resume) if resume is not None else None
+    )
+    durable = DurableCallback(loader, config.checkpoint_every > 0, strategy.name)
+    trainer = _on_rank(SFTTrainer, loader)(
         model=model,
         args=_trainer_config(config, strategy, model, out),
         train_dataset=columns,
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=[callback],
+        callbacks=[callback, durable],
     )
     strategy.prepare_hf_trainer(trainer)
-    output = trainer.train()
+    if resume is not None:
+        runtime.print0(f"resuming from {resume} at step {checkpoint.read_meta(resume)['step']}")
+    output = trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    if durable.stopped_at is not None:
+        last = checkpoint.latest_checkpoint(checkpoints_dir(out))
+        saved = f"checkpoint {last}" if last is not None else "no checkpoint"
+        runtime.print0(f"stop requested: stopped after step {durable.stopped_at}; {saved}")
+        raise Preempted(
+            f"rank {runtime.get_global_rank()} stopped on request after step "
+            f"{durable.stopped_at} ({saved})"
+        )
     wrapped_as = type(trainer.model_wrapped).__name__
     runtime.print0(f"trained as {wrapped_as} on {runtime.get_world_size()} rank(s)")
     if trainer.is_fsdp_enabled:
@@ -399,7 +528,7 @@ def train(
         steps=output.global_step,
         metrics=_train_metrics(output, callback, trainer),
         history=callback.history,
-        checkpoint_uri=None,
+        checkpoint_uri=checkpoint.uri(checkpoint.latest_checkpoint(checkpoints_dir(out))),
         model_uri=trained_model_dir(out).resolve().as_uri(),
     )
 

@@ -100,13 +100,13 @@ def train(
     wrap_model(config, strategy)
     start = 0
     if (resume := checkpoint.resolve(resume_from)) is not None:
-        start = strategy.load(resume)
+        start, _ = strategy.load(resume)
         runtime.print0(f"resumed from {resume} at step {start}")
     fitted = fit(
         strategy,
         lambda step: micro_batches(config, step, rank, world),
         compute,
-        Schedule(t.num_steps, t.log_every, t.checkpoint_every),
+        Schedule(t.num_steps, t.log_every, config.checkpoint_every, config.keep_checkpoints),
         metrics_sink(mlflow_run_id, runtime.is_rank_zero()),
         Path(output_dir) / "checkpoints",
         start_step=start,
@@ -114,7 +114,6 @@ def train(
     )
     model_path = Path(output_dir).resolve() / "model.pt"
     strategy.export(model_path)
-    last = fitted.last_checkpoint
     return TrainResult(
         technique=strategy.name,
         world_size=world,
@@ -122,7 +121,7 @@ def train(
         steps=fitted.steps,
         metrics=fitted.last_metrics(),
         history=fitted.history,
-        checkpoint_uri=last.resolve().as_uri() if last else None,
+        checkpoint_uri=checkpoint.uri(fitted.last_checkpoint),
         model_uri=model_path.as_uri(),
     )
 

@@ -1,0 +1,165 @@
+"""The temporary Prefect server of `python -m flows.<name>`, stopped however the run ends.
+
+Without `PREFECT_API_URL`, Prefect starts a temporary server of its own as a plain child of
+the flow's process. A terminal's Ctrl-C (sent to the whole foreground process group) kills it
+at once, and the flow engine then retries its state updates against it for minutes; a flow
+process killed outright leaves it behind, still listening.
+
+`local_prefect_server` starts the same server (Prefect's own uvicorn command and settings,
+database under `PREFECT_HOME`) under `trainflow._guard`, in a session of its own: it never gets
+the terminal's signals, so the flow can still record how it ended, and the guard stops it when
+the flow's process dies. This process and its children are pointed at it (the in-process
+settings and `PREFECT_API_URL`), and it is stopped when the context exits.
+"""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import prefect
+from prefect.logging import get_logger
+from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+STOP_WAIT_S = 10.0
+_START_ATTEMPTS = 3
+
+logger = get_logger()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _server_command(port: int) -> list[str]:
+    """What Prefect runs for its temporary server (`SubprocessASGIServer`), on `port`."""
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(prefect.__module_path__.parent),
+        "--factory",
+        "prefect.server.api.server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
+
+
+def _server_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+    }
+
+
+def _start_guarded(port: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainflow._guard", str(os.getpid()), "--", *_server_command(port)],
+        env=_server_env(),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _wait_healthy(url: str, guard: subprocess.Popen, timeout_s: float) -> bool:
+    """True once `url/health` answers; False if the server exited first (port taken)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if guard.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(
+        f"the temporary Prefect server on {url} did not answer within {timeout_s:g}s "
+        "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)"
+    )
+
+
+def stop_server(guard: subprocess.Popen, wait_s: float = STOP_WAIT_S) -> None:
+    """SIGTERM the server's process group, SIGKILL it if it is still there after `wait_s`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(guard.pid, signal.SIGTERM)
+    try:
+        guard.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(guard.pid, signal.SIGKILL)
+        guard.wait()
+
+
+def _flush_to_server(timeout_s: float = 5.0) -> None:
+    """Send the run logs and events still buffered in this process while the server is up."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=timeout_s)
+
+
+@contextlib.contextmanager
+def local_prefect_server() -> Iterator[str | None]:
+    """Run a temporary Prefect server for this process; yield its API URL.
+
+    With `PREFECT_API_URL` set (or temporary servers turned off) nothing is started and the
+    configured URL (or None) is yielded: flows use the server they are pointed at.
+    """
+    settings = get_current_settings()
+    if settings.api.url or not settings.server.ephemeral.enabled:
+        yield settings.api.url
+        return
+    timeout_s = float(settings.server.ephemeral.startup_timeout_seconds)
+    guard: subprocess.Popen | None = None
+    old_env = os.environ.get("PREFECT_API_URL")
+    try:
+        for _ in range(_START_ATTEMPTS):
+            port = _free_port()
+            url = f"http://127.0.0.1:{port}/api"
+            logger.info("Starting temporary server on %s", url.removesuffix("/api"))
+            guard = _start_guarded(port)
+            if _wait_healthy(url, guard, timeout_s):
+                break
+            guard.wait()
+        else:
+            raise RuntimeError(
+                f"the temporary Prefect server exited at start {_START_ATTEMPTS} times "
+                f"(last exit status {guard.returncode if guard else None})"
+            )
+        os.environ["PREFECT_API_URL"] = url  # processes this run starts agree
+        try:
+            with temporary_settings(updates={PREFECT_API_URL: url}):
+                try:
+                    yield url
+                finally:
+                    _flush_to_server()
+        finally:
+            if old_env is None:
+                os.environ.pop("PREFECT_API_URL", None)
+            else:
+                os.environ["PREFECT_API_URL"] = old_env
+    finally:
+        if guard is not None and guard.poll() is None:
+            logger.info("Stopping temporary server on %s", url.removesuffix("/api"))
+            stop_server(guard)
