@@ -36,6 +36,23 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _restart(records: list[dict]) -> int | None:
+    """Index of the first step trained again after a restart (the step count went back)."""
+    return next(
+        (i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"]), None
+    )
+
+
+def _measure(records: list[dict], killed_at: float) -> dict:
+    i = _restart(records)
+    assert i is not None, "no restart in the sample log"
+    reached = records[i - 1]["step"]
+    return {
+        "recovery_s": round(records[i]["time"] - killed_at, 3),
+        "steps_recomputed": reached - (records[i]["step"] - 1),
+    }
+
+
 def train_and_die(config: MLPConfig, strategy, **kwargs):
     """The MLP's `train`; in the first attempt rank 1 SIGKILLs itself after step N and notes
     when (a real kill: no cleanup runs)."""
@@ -60,7 +77,7 @@ def launcher_restart(every: int, kill_after: int) -> dict:
         out = Path(tmp) / "out"
         config = MLPConfig(
             num_train_samples=8192,
-            num_epochs=2,
+            num_epochs=4,  # 256 steps of 64 rows per rank
             checkpoint_every=every,
             log_samples=True,
             gpu_type="cpu",
@@ -77,13 +94,7 @@ def launcher_restart(every: int, kill_after: int) -> dict:
         options = type(options)(**{**options.__dict__, "env": {KILL_ENV: str(kill_after)}})
         launch(run_on_rank, (workload, config.technique), options=options, on_line=lambda *_: None)
         killed_at = float((out / "killed_at").read_text())
-        records = _records(sample_log_path(out, 0))
-        after = next(r for r in records if r["time"] > killed_at)
-        reached = max(r["step"] for r in records if r["time"] <= killed_at)
-        return {
-            "recovery_s": round(after["time"] - killed_at, 3),
-            "steps_recomputed": reached - (after["step"] - 1),
-        }
+        return _measure(_records(sample_log_path(out, 0)), killed_at)
 
 
 def resume(every: int, kill_after: int) -> dict:
@@ -115,7 +126,6 @@ def resume(every: int, kill_after: int) -> dict:
         killed_at = time.time()
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-        reached = max(r["step"] for r in _records(log))
         resumed = subprocess.Popen(
             [sys.executable, "-m", "flows.mlp", "--resume", run_dir.name],
             cwd=REPO,
@@ -125,17 +135,14 @@ def resume(every: int, kill_after: int) -> dict:
             start_new_session=True,
         )
         try:
-            while not (after := [r for r in _records(log) if r["time"] > killed_at]):
+            while _restart(_records(log)) is None:
                 if resumed.poll() is not None:
                     raise SystemExit(f"the resumed run exited ({resumed.returncode})")
                 time.sleep(0.05)
         finally:
             os.killpg(resumed.pid, signal.SIGKILL)
             resumed.wait()
-        return {
-            "recovery_s": round(after[0]["time"] - killed_at, 3),
-            "steps_recomputed": reached - (after[0]["step"] - 1),
-        }
+        return _measure(_records(log), killed_at)
 
 
 def main() -> None:

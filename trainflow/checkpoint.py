@@ -138,7 +138,7 @@ def save_rank_state(folder: Path, rank: int, extra: dict[str, Any] | None = None
     import numpy as np
     import torch
 
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],

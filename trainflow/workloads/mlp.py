@@ -65,7 +65,7 @@ def _batches(config: MLPConfig, start_step: int = 0) -> Iterator[list[Batch]]:
     first_epoch, skip = divmod(start_step, per_epoch)
     for epoch in range(first_epoch, config.num_epochs):
         sampler.set_epoch(epoch)
-        batches = iter(loader)
+        batches: Iterator[Batch] = iter(loader)
         if epoch == first_epoch:
             batches = itertools.islice(batches, skip, None)
         for batch in batches:
