@@ -20,7 +20,15 @@ import sys
 from prefect import flow
 from pydantic import Field
 
-from flows.skeleton import PipelineResult, evaluate, finish, register, tracked_run, train
+from flows.skeleton import (
+    PipelineResult,
+    evaluate,
+    finish,
+    preflight,
+    register,
+    tracked_run,
+    train,
+)
 from tasks.data import prepare_dataset
 from trainflow.cli import pipeline_config, run_pipeline
 from trainflow.configs.sft import SFTConfig, SFTJob, load_sft_preset, sft_preset_names
@@ -38,6 +46,7 @@ class SFTResult(PipelineResult):
 @flow(name="sft", log_prints=True)
 def sft(config: SFTConfig = load_sft_preset("debug_cpu")) -> SFTResult:
     """Fine-tune a causal LM: prepare -> train -> evaluate -> register (alias past the gate)."""
+    preflight(SFT, config)  # before the data is prepared, which can take long
     data = prepare_dataset(config.data_config())
     lineage = {
         "dataset_uri": data.uri,
@@ -45,7 +54,8 @@ def sft(config: SFTConfig = load_sft_preset("debug_cpu")) -> SFTResult:
         "base_model": config.model,
         "lora": str(config.lora).lower(),
     }
-    with tracked_run(SFT, config, lineage, job=SFTJob(config=config, data=data)) as run:
+    job = SFTJob(config=config, data=data)
+    with tracked_run(SFT, config, lineage, job=job, checked=True) as run:
         trained = train(run, config)
         evaluation = evaluate(run, trained)
         registration = register(run, config, evaluation, trained)
@@ -78,7 +88,14 @@ def main(argv: list[str] | None = None) -> SFTResult:
         PRESETS,
         SUMMARY_METRICS,
         server=local_prefect_server,
+        check=_check_config,
     )
+
+
+def _check_config(config: SFTConfig) -> None:
+    from trainflow.workloads.sft import check_config
+
+    check_config(config)
 
 
 if __name__ == "__main__":

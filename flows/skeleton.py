@@ -91,6 +91,7 @@ def tracked_run(
     config: Any,
     lineage: Mapping[str, str] | None = None,
     job: Any = None,
+    checked: bool = False,
 ) -> Iterator[TrackedRun]:
     """Open the pipeline's MLflow run (config as params, lineage as tags) and output folder.
 
@@ -100,8 +101,10 @@ def tracked_run(
         lineage: Extra lineage tags (dataset, base model, ...), also put on the model version.
         job: What the ranks and the evaluation receive, when more than the config (the SFT job
             adds its prepared dataset).
+        checked: The flow already ran `preflight` (before preparing its data).
     """
-    preflight(workload, config)
+    if not checked:
+        preflight(workload, config)
     technique = config.technique.name
     flow_run_id = str(flow_run.get_id())
     # A retry of this flow run (same id) continues the MLflow run it started.
@@ -155,14 +158,17 @@ def check_resumable(workload: WorkloadSpec, config: Any, run_id: str) -> None:
 
 def preflight(workload: WorkloadSpec, config: Any) -> None:
     """Refuse, before the MLflow run exists, what cannot run here: GPUs this machine lacks, far
-    more CPU ranks than cores, or a technique the workload's framework cannot use on the
-    resolved device.
+    more CPU ranks than cores, a technique the workload's framework cannot use on the resolved
+    device, or names the workload's own `check_config` rejects (a scheduler, LoRA targets).
 
     The technique subflow checks again with the model itself (built on the meta device).
     """
     plan = resolve_resources(config.gpus, config.gpu_type, config.nnodes)
     check_cpu_oversubscription(plan)
     check_framework(config.technique, workload.framework, device_type=plan.device)
+    check_config = getattr(workload.load(), "check_config", None)
+    if check_config is not None:
+        check_config(config)
 
 
 def train(run: TrackedRun, config: Any) -> TrainResult:

@@ -314,6 +314,7 @@ def run_pipeline(
     presets: Mapping[str, Callable[[], M]] | None = None,
     summary_metrics: list[str] | None = None,
     server: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    check: Callable[[Any], None] | None = None,
 ) -> Any:
     """`python -m flows.<name>`: parse the command line, run the flow, print where things are.
 
@@ -330,11 +331,19 @@ def run_pipeline(
         server: Context around the flow run, entered only once the command line is valid and
             the machine can run it (the flows pass a temporary Prefect server here; this
             module never imports Prefect).
+        check: The workload's own config check (names the ranks would fail on), run before
+            the server starts; a `ValueError` from it is a usage error.
     """
     from trainflow import tracking
 
     config = pipeline_config(flow, defaults, argv, doc, presets)
     _check_machine(flow, config)
+    if check is not None:
+        try:
+            check(config)
+        except ValueError as exc:
+            print(f"python -m flows.{flow.name}: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
     before = tracking.last_run_id()
     around = server() if server else contextlib.nullcontext()
     try:

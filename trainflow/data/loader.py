@@ -12,10 +12,13 @@ seed and `num_canonical_nodes` only, so a run resumed on a different number of r
 the same global order. No Prefect here: this runs on every rank.
 """
 
+import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,7 +30,7 @@ from trainflow.data.config import LoaderConfig
 from trainflow.data.errors import DataError
 from trainflow.data.paths import join_uri, stream_cache_dir
 from trainflow.data.shm import clean_stale_streaming_state
-from trainflow.data.store import read_manifest
+from trainflow.data.store import read_index, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +111,56 @@ class ResumableLoader(StreamingDataLoader):
         super().load_state_dict(obj)
 
 
+def verify_cached_split(uri: str, split: str, cache: Path, algos: Sequence[str]) -> list[str]:
+    """Remove cached copies of a split's files that no longer match the published dataset.
+
+    `streaming` checks a shard's hash only when it copies the shard from the published dataset
+    into the local cache; a cached copy damaged later (a bad disk, a stray write) would be read
+    as it is. Each cached shard file (compressed and raw) is checked here against the hash in
+    the published index, or its size when the dataset has no hashes, and a cached index
+    against the published one. What does not match is deleted, so `streaming` fetches it again
+    from the published copy and checks that copy's hash as it does.
+
+    Call once per node (local rank 0) before the split is opened. Returns the files removed.
+    """
+    from streaming.base.hashing import get_hash
+
+    folder = cache / split
+    cached_index = folder / "index.json"
+    if not cached_index.is_file():
+        return []
+    published = read_index(uri, split)
+    removed: list[str] = []
+    if published is None or cached_index.read_bytes() != published:
+        # The cache belongs to what is published now, or nothing in it can be trusted.
+        shutil.rmtree(folder, ignore_errors=True)
+        logger.warning("cached index of %s differs from the published one; fetching again", split)
+        return [str(folder)]
+    for shard in json.loads(published)["shards"]:
+        for key in ("raw_data", "zip_data"):
+            info = shard.get(key)
+            path = folder / info["basename"] if info else None
+            if path is None or not path.is_file():
+                continue
+            data = path.read_bytes()
+            hashes = info.get("hashes") or {}
+            algo = next((a for a in algos if a in hashes), None)
+            intact = len(data) == info["bytes"]
+            if intact and algo is not None:
+                intact = get_hash(algo, data) == hashes[algo]
+            if not intact:
+                path.unlink()
+                removed.append(str(path))
+    if removed:
+        logger.warning(
+            "cached shard file(s) %s of %s are damaged; fetching them again from %s",
+            [Path(p).name for p in removed],
+            split,
+            uri,
+        )
+    return removed
+
+
 def build_dataloader(
     uri: str,
     split: str,
@@ -146,11 +199,12 @@ def build_dataloader(
         raise DataError(
             f"split {split!r} not in dataset {uri}; it has {sorted(manifest['splits'])}"
         )
-    if config.clean_stale_shared_memory:
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        if config.clean_stale_shared_memory:
             clean_stale_streaming_state()
-        if dist.is_initialized():
-            dist.barrier()
+        verify_cached_split(uri, split, stream_cache_dir(uri), manifest.get("hashes") or [])
+    if dist.is_initialized():
+        dist.barrier()
     dataset = _CheckedStreamingDataset(
         remote=uri,
         local=str(stream_cache_dir(uri)),

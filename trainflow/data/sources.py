@@ -1,6 +1,7 @@
 """Read a source into a `datasets.DatasetDict`, choose splits, and fingerprint the source."""
 
 import hashlib
+import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -57,6 +58,47 @@ def _describe(source: FileSource | HubSource, split: str) -> str:
     return f"split {split!r} of hub dataset {source.name!r}"
 
 
+def check_json_rows(path: Path, split: str) -> None:
+    """Check a JSON Lines (or one JSON array) file row by row before `datasets` parses it.
+
+    `datasets` reports a bad row without its line ("An error occurred while generating the
+    dataset", "position 59"); here the first bad row is named by line and column.
+
+    Raises:
+        DataError: a row that is not UTF-8, not JSON or not an object, or a file with no rows.
+    """
+    data = path.read_bytes()
+    where = f"file {path} of split {split!r}"
+    if data.lstrip()[:1] == b"[":  # one JSON array of rows
+        try:
+            rows = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            at = f"line {err.lineno}, column {err.colno}" if hasattr(err, "lineno") else "it"
+            raise DataError(f"{where}: {at} is not valid JSON ({err})") from None
+        if not rows:
+            raise DataError(f"{where} has no rows (an empty JSON array)")
+        return
+    count = 0
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise DataError(f"{where}: line {number} is not UTF-8 text") from None
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"{where}: line {number}, column {err.colno} is not valid JSON ({err.msg})"
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(
+                f"{where}: line {number} is a JSON {type(row).__name__}, not an object of columns"
+            )
+        count += 1
+    if count == 0:
+        raise DataError(f"{where} has no rows: every line is blank")
+
+
 def load_source(config: DataConfig) -> datasets.DatasetDict:
     """Load the source, keep the configured splits and carve the validation split.
 
@@ -77,6 +119,8 @@ def load_source(config: DataConfig) -> datasets.DatasetDict:
             for path in paths:
                 if Path(path).stat().st_size == 0:
                     raise DataError(f"file {path} of split {split!r} is empty")
+                if source.format == "json":
+                    check_json_rows(Path(path), split)
     try:
         if isinstance(source, FileSource):
             loaded = datasets.load_dataset(source.format, data_files=source.files, cache_dir=cache)

@@ -77,6 +77,23 @@ def read_manifest(uri: str) -> dict[str, Any] | None:
         return json.loads(Path(local).read_text())
 
 
+def read_index(uri: str, split: str) -> bytes | None:
+    """The published `index.json` of one split, as bytes, or None when there is none."""
+    name = f"{split}/index.json"
+    if not is_remote(uri):
+        path = Path(uri) / name
+        return path.read_bytes() if path.is_file() else None
+    with tempfile.TemporaryDirectory() as scratch:
+        local = os.path.join(scratch, "index.json")
+        try:
+            CloudDownloader.direct_download(join_uri(uri, name), local)
+        except Exception as err:  # storage clients raise their own not-found errors
+            if _is_missing(err):
+                return None
+            raise
+        return Path(local).read_bytes()
+
+
 def _remove_stale_temps(final: Path) -> None:
     """Delete temp directories of earlier attempts on this host whose process has died."""
     prefix = f".{final.name}.tmp-{socket.gethostname()}-"

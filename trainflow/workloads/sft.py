@@ -54,6 +54,7 @@ __all__ = [
     "SFTJob",
     "TrainingSettings",
     "build_model",
+    "check_config",
     "evaluate",
     "gate_failures",
     "load_sft_preset",
@@ -67,6 +68,47 @@ def build_model(job: SFTJob) -> PreTrainedModel:
     """The architecture without pretrained weights (the subflow checks the technique on it)."""
     tokenizer = load_tokenizer(job.config.tokenizer_path())
     return build_causal_lm(job.config.model, tokenizer, seed=0, pretrained=False)
+
+
+def check_config(config: SFTConfig) -> None:
+    """Refuse, before data is prepared or any rank starts, names the ranks would only fail on.
+
+    A local chat file must parse row by row, the learning-rate schedule must be one the
+    Trainer knows, and every LoRA target must name modules of the model (built on the meta
+    device: no weights, no memory).
+
+    Raises:
+        ValueError: naming the option, the bad value and what would be valid.
+    """
+    from transformers import SchedulerType
+
+    data = config.data_config()
+    if data.source.kind == "files" and data.source.format == "json":
+        from trainflow.data.sources import check_json_rows
+
+        for split, paths in data.source.files.items():
+            for path in paths:
+                check_json_rows(Path(path), split)
+    schedules = [s.value for s in SchedulerType]
+    if config.training.lr_scheduler not in schedules:
+        raise ValueError(
+            f"training.lr_scheduler={config.training.lr_scheduler!r} is not a schedule the "
+            f"Trainer knows; use one of {schedules}"
+        )
+    if config.lora:
+        import torch
+
+        tokenizer = load_tokenizer(config.tokenizer_path())
+        with torch.device("meta"):
+            model = build_causal_lm(config.model, tokenizer, seed=0, pretrained=False)
+        names = [name for name, _ in model.named_modules() if name]
+        leaves = sorted({name.rsplit(".", 1)[-1] for name in names})
+        for target in config.lora_settings.target_modules:
+            if not any(name == target or name.endswith(f".{target}") for name in names):
+                raise ValueError(
+                    f"lora_settings.target_modules: {target!r} names no module of "
+                    f"{config.model}; its modules are named {leaves}"
+                )
 
 
 def read_split(uri: str, split: str, limit: int | None = None) -> dict[str, list[list[int]]]:
