@@ -21,6 +21,8 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import prefect
 from prefect.logging import get_logger
@@ -119,6 +121,14 @@ def _flush_to_server(timeout_s: float = 5.0) -> None:
             worker.drain_all(timeout=timeout_s)
 
 
+def _start_lock(home: Path, timeout_s: float) -> Any:
+    """An inter-process lock held while a temporary server on `home` starts."""
+    from filelock import FileLock
+
+    home.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(home / ".temporary-server-start.lock"), timeout=timeout_s)
+
+
 @contextlib.contextmanager
 def local_prefect_server() -> Iterator[str | None]:
     """Run a temporary Prefect server for this process; yield its API URL.
@@ -134,19 +144,22 @@ def local_prefect_server() -> Iterator[str | None]:
     guard: subprocess.Popen | None = None
     old_env = os.environ.get("PREFECT_API_URL")
     try:
-        for _ in range(_START_ATTEMPTS):
-            port = _free_port()
-            url = f"http://127.0.0.1:{port}/api"
-            logger.info("Starting temporary server on %s", url.removesuffix("/api"))
-            guard = _start_guarded(port)
-            if _wait_healthy(url, guard, timeout_s):
-                break
-            guard.wait()
-        else:
-            raise RuntimeError(
-                f"the temporary Prefect server exited at start {_START_ATTEMPTS} times "
-                f"(last exit status {guard.returncode if guard else None})"
-            )
+        # A server migrates its database as it starts; two starting together on one fresh
+        # PREFECT_HOME race there ("duplicate column name"). Starts on one home take turns.
+        with _start_lock(Path(settings.home), timeout_s * _START_ATTEMPTS):
+            for _ in range(_START_ATTEMPTS):
+                port = _free_port()
+                url = f"http://127.0.0.1:{port}/api"
+                logger.info("Starting temporary server on %s", url.removesuffix("/api"))
+                guard = _start_guarded(port)
+                if _wait_healthy(url, guard, timeout_s):
+                    break
+                guard.wait()
+            else:
+                raise RuntimeError(
+                    f"the temporary Prefect server exited at start {_START_ATTEMPTS} times "
+                    f"(last exit status {guard.returncode if guard else None})"
+                )
         os.environ["PREFECT_API_URL"] = url  # processes this run starts agree
         try:
             with temporary_settings(updates={PREFECT_API_URL: url}):

@@ -40,3 +40,32 @@ def test_three_pipelines_started_together_on_a_fresh_store_all_register(prefect_
     experiment = client.get_experiment_by_name("mlp")
     runs = client.search_runs([experiment.experiment_id])
     assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3
+
+
+def test_three_pipelines_with_their_own_temporary_servers_on_one_fresh_prefect_home(tmp_path):
+    """No PREFECT_API_URL: each run starts a temporary server on the same new Prefect database,
+    which each server migrates as it starts; they take turns, and all three complete."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env |= {
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
+    args = ["--max-steps", "5", "--min-r2", "-100", "--registered-model-name", "mlp-homes"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "flows.mlp", *args],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out[-3000:]
+        assert "OperationalError" not in out, out[-3000:]
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    versions = client.search_model_versions("name='mlp-homes'")
+    assert sorted(int(v.version) for v in versions) == [1, 2, 3]
