@@ -13,11 +13,8 @@ from tests.conftest import REPO_ROOT
 pytestmark = pytest.mark.slow
 
 
-def test_three_pipelines_started_together_on_a_fresh_store_all_register(prefect_api, tmp_path):
-    store = tmp_path / "fresh" / "mlflow.db"
-    assert not store.exists()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
-    args = ["--num-epochs", "1", "--registered-model-name", "mlp-together"]
+def _three_together(args: list[str], env: dict[str, str]) -> list[str]:
+    """Start three `python -m flows.mlp ARGS` at once; assert all succeed; return their output."""
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "flows.mlp", *args],
@@ -32,6 +29,15 @@ def test_three_pipelines_started_together_on_a_fresh_store_all_register(prefect_
     outputs = [p.communicate(timeout=900)[0] for p in procs]
     for proc, out in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, out[-3000:]
+    return outputs
+
+
+def test_three_pipelines_started_together_on_a_fresh_store_all_register(prefect_api, tmp_path):
+    store = tmp_path / "fresh" / "mlflow.db"
+    assert not store.exists()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
+    args = ["--num-epochs", "1", "--registered-model-name", "mlp-together"]
+    _three_together(args, env)
 
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     versions = client.search_model_versions("name='mlp-together'")
@@ -51,20 +57,7 @@ def test_three_pipelines_with_their_own_temporary_servers_on_one_fresh_prefect_h
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
     }
     args = ["--max-steps", "5", "--min-r2", "-100", "--registered-model-name", "mlp-homes"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "flows.mlp", *args],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for _ in range(3)
-    ]
-    outputs = [p.communicate(timeout=900)[0] for p in procs]
-    for proc, out in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, out[-3000:]
+    for out in _three_together(args, env):
         assert "OperationalError" not in out, out[-3000:]
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     versions = client.search_model_versions("name='mlp-homes'")
