@@ -54,10 +54,12 @@ def _measure(records: list[dict], killed_at: float) -> dict:
 
 
 def train_and_die(config: MLPConfig, strategy, **kwargs):
-    """The MLP's `train`; in the first attempt rank 1 SIGKILLs itself after step N and notes
-    when (a real kill: no cleanup runs)."""
-    kill_after = int(os.environ[KILL_ENV])
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ["RANK"] == "1":
+    """The MLP's `train`; in the first attempt rank 1 SIGKILLs itself after the step set in
+    RECOVERY_KILL_AFTER_STEP (0 or unset: never) and notes when, in `killed_at` (a real kill:
+    no cleanup runs). `tests/distributed/test_recovery.py` trains with it too."""
+    kill_after = int(os.environ.get(KILL_ENV, "0"))
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if kill_after and first_attempt and os.environ.get("RANK") == "1":
         log = sample_log_path(kwargs["output_dir"], 1)
         stamp = Path(kwargs["output_dir"], "killed_at")
 

@@ -7,25 +7,21 @@ is asserted within WEIGHT_ATOL.
 """
 
 import json
-import os
 import random
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.recovery import KILL_ENV, train_and_die
 from trainflow import checkpoint, launch
 from trainflow.configs.mlp import MLPConfig
 from trainflow.strategies.job import Workload, run_on_rank
 from trainflow.strategies.loop import read_sample_log
-from trainflow.workloads.mlp import build_model, sample_log_path, train
+from trainflow.workloads.mlp import build_model, sample_log_path
 
 WEIGHT_ATOL = 1e-6
 CHECKPOINT_EVERY = 10
-KILL_AFTER_ENV = "TEST_KILL_RANK1_AFTER_STEP"
 
 
 def config() -> MLPConfig:
@@ -44,35 +40,17 @@ def config() -> MLPConfig:
     )
 
 
-def train_killed_once(cfg: MLPConfig, strategy, **kwargs):
-    """The MLP's own `train`, except that on the first attempt rank 1 SIGKILLs itself right
-    after it recorded step N (a real kill: no Python cleanup runs)."""
-    kill_after = int(os.environ.get(KILL_AFTER_ENV, "0"))
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if kill_after and first_attempt and os.environ.get("RANK") == "1":
-        log = sample_log_path(kwargs["output_dir"], 1)
-
-        def kill_when_reached() -> None:
-            while True:
-                if log.exists() and len(log.read_text().splitlines()) >= kill_after:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                time.sleep(0.001)
-
-        threading.Thread(target=kill_when_reached, daemon=True).start()
-    return train(cfg, strategy, **kwargs)
-
-
 def run(output_dir: Path, kill_after: int = 0) -> list:
     cfg = config()
     workload = Workload(
-        train_fn=train_killed_once,
+        train_fn=train_and_die,
         model_fn=build_model,
         config=cfg,
         output_dir=str(output_dir),
         resume_from=str(output_dir / "checkpoints"),
     )
     options = cfg.resources.launch_options()
-    options = type(options)(**{**options.__dict__, "env": {KILL_AFTER_ENV: str(kill_after)}})
+    options = type(options)(**{**options.__dict__, "env": {KILL_ENV: str(kill_after)}})
     return launch(run_on_rank, (workload, cfg.technique), options=options).values
 
 
