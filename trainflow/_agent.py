@@ -8,6 +8,7 @@ and the caller's process keeps no elastic signal handlers or multiprocessing hel
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,6 +48,11 @@ def main(run_dir: str) -> int:
     spec = rd.read_spec()
     threading.Thread(target=_exit_with_parent, args=(spec["caller_pid"],), daemon=True).start()
     LocalElasticAgent._stop_workers = _kill_workers  # type: ignore[method-assign]
+    # torch's process starter gives each rank a `pytorch-errorfile-*.pickle` in the temp folder
+    # for its traceback and never removes it: keep those with this launch's logs. Ranks go back
+    # to the system's temp folder (`_worker._reset_process_state`).
+    tempfile.tempdir = str(rd.elastic_tmp)
+    rd.elastic_tmp.mkdir(parents=True, exist_ok=True)
 
     config = LaunchConfig(
         min_nodes=spec["nnodes"],
@@ -60,7 +66,7 @@ def main(run_dir: str) -> int:
         monitor_interval=0.1,
         start_method=spec["start_method"],
         shutdown_timeout=spec["shutdown_timeout_s"],
-        logs_specs=DefaultLogsSpecs(log_dir=str(rd.path / "elastic")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(rd.elastic)),
     )
     try:
         elastic_launch(config, _worker.main)(str(rd.path))

@@ -8,6 +8,7 @@ import faulthandler
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -55,7 +56,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def _reset_process_state() -> None:
-    """Undo what a forked rank inherits from the agent: its signal handlers and thread count.
+    """Undo what a forked rank inherits from the agent: signal handlers, thread count, temp dir.
 
     SIGTERM (a preemption, or the caller stopping the launch) only sets the flag
     `runtime.should_stop()` reads: the training loop ends its step, writes a final checkpoint
@@ -67,6 +68,7 @@ def _reset_process_state() -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    tempfile.tempdir = None  # the system's again, not the agent's folder in the run directory
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))

@@ -88,6 +88,16 @@ class RunDir:
         return self.path / "logs"
 
     @property
+    def elastic(self) -> Path:
+        """torch elastic's own per-attempt logs."""
+        return self.path / "elastic"
+
+    @property
+    def elastic_tmp(self) -> Path:
+        """The agent's temp folder: torch's per-rank error files, which it leaves behind."""
+        return self.path / "elastic" / "tmp"
+
+    @property
     def results(self) -> Path:
         return self.path / "results"
 

@@ -154,7 +154,10 @@ def fail_on_rank_one(pid_dir: str) -> None:
     time.sleep(600)
 
 
-def test_error_on_one_rank_names_it_and_stops_the_others(tmp_path):
+def test_error_on_one_rank_names_it_and_stops_the_others(tmp_path, monkeypatch):
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(system_tmp))  # the agent's and the ranks' temp folder
     start = time.monotonic()
     with pytest.raises(RankError) as info:
         fail_on_rank_one.distributed(str(tmp_path))
@@ -169,6 +172,9 @@ def test_error_on_one_rank_names_it_and_stops_the_others(tmp_path):
     assert elapsed < 60, f"the surviving rank was not stopped promptly ({elapsed:.0f}s)"
     pids = _read_pids(tmp_path)
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
+    # torch's per-rank error files stay with the launch's logs, not in the system's temp folder
+    assert not list(system_tmp.glob("pytorch-errorfile-*"))
+    assert list(Path(err.log_dir).parent.glob("elastic/tmp/pytorch-errorfile-*"))
 
 
 @distributed(gpus=2, gpu_type="cpu", timeout=12)
