@@ -28,10 +28,32 @@ def _config_from_args(argv: list[str] | None = None) -> DataConfig:
     return pipeline_config(prepare, load_preset("instructions"), argv, __doc__, PRESETS)
 
 
-if __name__ == "__main__":
-    from flows.local_server import local_prefect_server
+def main(argv: list[str] | None = None) -> PreparedDataset:
+    """Parse, check the local files, then prepare under a local Prefect server if none is set.
 
-    config = _config_from_args(sys.argv[1:])
-    with local_prefect_server():
-        result = prepare(config)
+    Bad input (an option, a missing file, a row that does not parse, a column the transform
+    needs) exits 2 with one line naming it, before the server starts; a data error found
+    later exits 1 the same way, not with a traceback.
+    """
+    from flows.local_server import local_prefect_server
+    from trainflow.data.checks import check_files
+    from trainflow.data.errors import DataError
+
+    config = _config_from_args(argv)
+    try:
+        check_files(config)
+    except DataError as exc:
+        print(f"python -m flows.prepare: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        with local_prefect_server():
+            result = prepare(config)
+    except DataError as exc:
+        print(f"python -m flows.prepare: error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     print(result.model_dump_json(indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

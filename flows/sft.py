@@ -93,9 +93,14 @@ def main(argv: list[str] | None = None) -> SFTResult:
 
 
 def _check_config(config: SFTConfig) -> None:
-    from trainflow.workloads.sft import check_config
+    """The workload's checks, the file ones first: they need no torch or transformers, so a
+    bad row fails in about a second rather than after the workload's imports."""
+    from trainflow.data.checks import check_files
 
-    check_config(config)
+    check_files(config.data_config())
+    from trainflow.workloads.sft import check_names
+
+    check_names(config)
 
 
 if __name__ == "__main__":

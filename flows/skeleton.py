@@ -75,6 +75,11 @@ class TrackedRun:
     def name(self) -> str:
         return self.workload.name
 
+    @property
+    def artifact_key(self) -> str:
+        """The name as Prefect artifact keys allow it (lowercase letters, digits, dashes)."""
+        return self.name.replace("_", "-")
+
 
 @dataclass(frozen=True)
 class Registration:
@@ -119,6 +124,8 @@ def tracked_run(
         "code_version": tracking.code_version(),
         **(lineage or {}),
     }
+    if config.parent_run_id:
+        tags[tracking.PARENT_RUN_TAG] = config.parent_run_id
     with tracking.pipeline_run(
         config.experiment_name,
         run_name=f"{workload.name}-{technique}-{flow_run.get_name() or 'local'}",
@@ -189,7 +196,7 @@ def train(run: TrackedRun, config: Any) -> TrainResult:
     if (latest := checkpoint.latest_checkpoint(checkpoints)) is not None:
         print(f"continuing training from {latest} (step {checkpoint.read_meta(latest)['step']})")
     try:
-        with _progress(run):
+        with _rank_slots(config.gpu_pool, config.gpus), _progress(run):
             trained: TrainResult = techniques[config.technique.name](
                 workload=workload, technique=config.technique, resources=config.resources
             )
@@ -197,8 +204,24 @@ def train(run: TrackedRun, config: Any) -> TrainResult:
         # A save the stop interrupted is never resumed from; do not leave it behind.
         checkpoint.remove_partial(checkpoints)
         _remove_stale_shared_memory()
-    publish_loss_curve(run.name, run.run_id, trained.history)
+    publish_loss_curve(run.artifact_key, run.run_id, trained.history)
     return trained
+
+
+@contextlib.contextmanager
+def _rank_slots(pool: str | None, ranks: int) -> Iterator[None]:
+    """Hold `ranks` slots of the Prefect global concurrency limit `pool` while the ranks run.
+
+    Only training holds them: a run's start-up, evaluation and registration leave the ranks'
+    devices to the next run. `strict`: a pool that does not exist is an error, not no limit.
+    """
+    if pool is None:
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    with concurrency(pool, occupy=ranks, strict=True):
+        yield
 
 
 def _remove_stale_shared_memory() -> None:
@@ -239,6 +262,7 @@ def register(
 
     A workload without an alias registers only a model that passes the gate; one with an
     alias (SFT's `champion`) registers every finished run and moves the alias only past it.
+    A nested run (a sweep's trial) never moves the alias: its parent chooses the best trial.
     """
     failures = gate_failures(config.gate(), evaluation.metrics)
     alias = run.workload.alias
@@ -252,7 +276,7 @@ def register(
         "world_size": str(trained.world_size),
         "checkpoint_uri": trained.checkpoint_uri or "",
     }
-    given = alias if not failures else None
+    given = alias if not failures and not config.parent_run_id else None
     version = _register_model(run, config.registered_model_name, evaluation, tags, given)
     return Registration(version, failures, given)
 
@@ -285,10 +309,12 @@ def finish(
     metrics = trained.metrics | evaluation.metrics
     version, passed = registration.version, not registration.failures
     model = f"{config.registered_model_name} v{version}" if version else "not registered"
-    if version and run.workload.alias:
-        model += f" ({registration.alias})" if passed else " (gate not passed: no alias)"
+    if registration.alias:
+        model += f" ({registration.alias})"
+    elif version and run.workload.alias and not passed:
+        model += " (gate not passed: no alias)"
     publish_summary(
-        f"{run.name}-summary",
+        f"{run.artifact_key}-summary",
         title=f"{run.workload.title} pipeline",
         config=config.model_dump(),
         metrics=metrics,
@@ -336,7 +362,7 @@ def _progress(run: TrackedRun, poll_s: float = 2.0) -> Iterator[None]:
     Ranks never talk to Prefect: rank 0 writes the file and this thread forwards it.
     """
     artifact_id = create_progress_artifact(
-        progress=0.0, key=f"{run.name}-progress", description="Training steps done (%)"
+        progress=0.0, key=f"{run.artifact_key}-progress", description="Training steps done (%)"
     )
     progress_file = run.output_dir / tracking.PROGRESS_FILE
     stop = threading.Event()

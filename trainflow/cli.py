@@ -190,14 +190,33 @@ def parse_config(
     try:
         return model.model_validate(merged)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"--{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}"
-            if err["loc"]
-            else err["msg"]
-            for err in exc.errors()
-        )
-        parser.error(problems)
+        flags = set(parser._option_string_actions)
+        parser.error("; ".join(_problem(err, flags) for err in exc.errors()))
         raise  # unreachable: parser.error exits
+
+
+def _problem(err: Any, flags: set[str]) -> str:
+    """One validation error as `--option: what is wrong`, named as the user typed it.
+
+    The error's location is a field path (`training.optimizer.learning_rate`); the option is
+    its longest prefix that is a flag, and the rest (a key inside a JSON option such as
+    `--technique`, with the union's tag) is named after it.
+    """
+    loc = [str(p) for p in err["loc"]]
+    if not loc:
+        return str(err["msg"])
+    dotted = ".".join(loc)
+    if err["type"] == "extra_forbidden":  # a key in a --config file or a JSON option
+        return f"{dotted!r} is not an option of this pipeline (see --help)"
+    msg = str(err["msg"]).removeprefix("Value error, ")  # a validator's own message
+    if len(loc) == 1 and err["type"] == "value_error" and loc[0] not in flags:
+        return msg  # a nested model's check, whose message names its fields itself
+    for end in range(len(loc), 0, -1):
+        flag = "--" + "-".join(loc[:end]).replace("_", "-")
+        if flag in flags:
+            rest = ".".join(loc[end:])
+            return f"{flag}: {rest + ': ' if rest else ''}{msg}"
+    return f"{dotted}: {msg}"
 
 
 def _read_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
@@ -319,7 +338,8 @@ def run_pipeline(
     """`python -m flows.<name>`: parse the command line, run the flow, print where things are.
 
     Ctrl-C or SIGTERM ends the MLflow run KILLED and exits 130 or 143 with one line saying
-    so (and how to continue the run), not a traceback.
+    so (and how to continue the run), not a traceback; bad data found once it is read exits 1
+    with one line naming the file.
 
     Args:
         flow: The pipeline's flow; it takes the config and returns a `PipelineResult`.
@@ -335,6 +355,7 @@ def run_pipeline(
             the server starts; a `ValueError` from it is a usage error.
     """
     from trainflow import tracking
+    from trainflow.data.errors import DataError
 
     config = pipeline_config(flow, defaults, argv, doc, presets)
     _check_machine(flow, config)
@@ -349,6 +370,9 @@ def run_pipeline(
     try:
         with _sigterm_stops(), around:
             result = flow(config)
+    except DataError as exc:  # found once the data was read: say which file, no traceback
+        print(f"python -m flows.{flow.name}: error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     except BaseException as exc:
         stop = _stop_reason(exc)
         if stop is None:

@@ -183,6 +183,8 @@ OWNER_PID_TAG = "trainflow.pid"
 OWNER_START_TAG = "trainflow.pid_start"
 FAILURE_REASON_TAG = "trainflow.failure_reason"
 RESUMED_TAG = "trainflow.resumed"
+# MLflow's own tag for a nested run: its UI shows the run under this parent.
+PARENT_RUN_TAG = "mlflow.parentRunId"
 
 # Exceptions that mean "stopped from outside", matched by class name so this module needs
 # neither Prefect (`TerminationSignal`: SIGTERM under a flow run) nor the callers' own types
@@ -481,6 +483,36 @@ def register_transformers_model(
             registered_model_name=registered_model_name,
         )
     return _tag_version(registered_model_name, str(info.registered_model_version), tags)
+
+
+def child_runs(parent_run_id: str) -> dict[str, str]:
+    """Run name -> run id of the runs nested under `parent_run_id` (in its experiment)."""
+    client = _client()
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`{PARENT_RUN_TAG}` = '{parent_run_id}'",
+        max_results=10_000,
+    )
+    return {run.info.run_name: run.info.run_id for run in runs}
+
+
+def metric_history(run_id: str, key: str) -> dict[int, float]:
+    """Step -> value of metric `key` logged to the run so far (empty when none yet)."""
+    return {m.step: m.value for m in _client().get_metric_history(run_id, key)}
+
+
+def end_run(run_id: str, status: str, tags: Mapping[str, str]) -> None:
+    """Set tags on a run and end it with `status`, e.g. a sweep's trial it stopped early."""
+    client = _client()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    client.set_terminated(run_id, status=status)
+
+
+def delete_model_version(registered_model_name: str, version: str) -> None:
+    """Remove a version from the registry (its run and artifacts stay)."""
+    _client().delete_model_version(registered_model_name, version)
 
 
 def set_alias(registered_model_name: str, version: str, alias: str) -> None:

@@ -1,9 +1,11 @@
 """Pipelines started together on a fresh MLflow store all complete (issue: the store's schema
 migration and the experiment's creation raced, and all but one run died)."""
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -62,3 +64,34 @@ def test_three_pipelines_with_their_own_temporary_servers_on_one_fresh_prefect_h
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     versions = client.search_model_versions("name='mlp-homes'")
     assert sorted(int(v.version) for v in versions) == [1, 2, 3]
+
+
+def test_three_preparations_of_one_dataset_on_a_fresh_trainflow_home_publish_it_once(
+    prefect_api, tmp_path
+):
+    """Three `python -m flows.prepare` at once on a new TRAINFLOW_HOME: each builds the dataset
+    in its own staging folder, one publishes it, and all three return that one dataset."""
+    home = tmp_path / "fresh-home"
+    env = {**os.environ, "TRAINFLOW_HOME": str(home)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "flows.prepare", "--preset", "instructions"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out[out.index("{") :]))
+    assert len({r["uri"] for r in results}) == 1
+    published = Path(results[0]["uri"])
+    assert [p.name for p in published.parent.iterdir()] == [published.name]  # no staging left
+    assert {int(r["splits"]["train"]["num_samples"]) for r in results} == {
+        int(results[0]["splits"]["train"]["num_samples"])
+    }

@@ -72,6 +72,6 @@ def test_non_finite_number_is_refused_naming_the_option(pipeline, flag, bad, cap
 def test_non_finite_number_inside_a_technique_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_sft(["--technique", '{"name": "ddp", "bucket_cap_mb": NaN}'])
-    assert "--technique-ddp-bucket-cap-mb: Input should be a finite number" in (
+    assert "--technique: ddp.bucket_cap_mb: Input should be a finite number" in (
         capsys.readouterr().err
     )

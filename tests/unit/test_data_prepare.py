@@ -68,12 +68,13 @@ def test_interactions_preset_becomes_typed_columns_equal_to_the_csv(tmp_path):
     with open(config.source.files["train"][0]) as f:
         rows = {int(r["id"]): r for r in csv.DictReader(f)}
 
-    assert {s: i.num_samples for s, i in result.splits.items()} == {
-        "train": 5400,
-        "validation": 600,
-    }
-    samples = _read_split(result.uri, "train") + _read_split(result.uri, "validation")
-    assert sorted(int(s["id"]) for s in samples) == sorted(rows)
+    counts = {"train": 4860, "validation": 540, "test": 600}
+    assert {s: i.num_samples for s, i in result.splits.items()} == counts
+    ids = {split: sorted(int(s["id"]) for s in _read_split(result.uri, split)) for split in counts}
+    assert sorted(ids["train"] + ids["validation"] + ids["test"]) == sorted(rows)
+    # A split by time: every held-out interaction happened after every training one.
+    assert ids["train"][-1] < ids["validation"][0] and ids["validation"][-1] < ids["test"][0]
+    samples = [s for split in counts for s in _read_split(result.uri, split)]
     for sample in samples:
         row = rows[int(sample["id"])]
         assert sample["user_id"] == int(row["user_id"]) and sample["item_id"] == int(row["item_id"])
@@ -200,7 +201,7 @@ def test_missing_column_names_column_split_and_file(tmp_path):
         tmp_path, transform={"name": "tabular", "columns": {"user_id": "int64", "price": "float32"}}
     )
     with pytest.raises(
-        DataError, match=r"column 'price' missing from split 'train' \(.*clicks\.csv\)"
+        DataError, match=r"file .*clicks\.csv of split 'train' has no column 'price'.*it has \["
     ):
         prepare_dataset(config)
     chat = chat_config(
@@ -209,7 +210,7 @@ def test_missing_column_names_column_split_and_file(tmp_path):
     )
     with pytest.raises(
         DataError,
-        match=r"column 'conversation' missing from split 'train' \(.*chat\.jsonl\); it has",
+        match=r"chat\.jsonl of split 'train': line 1 has no column 'conversation'.*it has \[",
     ):
         prepare_dataset(chat)
 

@@ -6,7 +6,8 @@ import re
 import pytest
 
 from trainflow.data import DataConfig, DataError
-from trainflow.data.sources import check_json_rows, load_source
+from trainflow.data.checks import check_json_rows
+from trainflow.data.sources import load_source
 
 GOOD = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
 

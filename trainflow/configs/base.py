@@ -30,6 +30,19 @@ class PipelineConfig(Resources):
         "its training from its last checkpoint, in the same MLflow run, with its own config.",
     )
 
+    parent_run_id: SafeName | None = Field(
+        default=None,
+        description="MLflow run this run is nested under (a sweep's run, which sets it for each "
+        "trial). The run is tagged as its child, and registration never moves the workload's "
+        "alias: the parent gives it to its best trial.",
+    )
+    gpu_pool: str | None = Field(
+        default=None,
+        description="Prefect global concurrency limit counted in ranks (GPUs, or CPU processes): "
+        "training holds `gpus` of its slots while its ranks run, so sweeps and runs sharing the "
+        "pool never start more ranks than it has. The limit must exist; none: no limit.",
+    )
+
     def training_fields(self) -> dict[str, Any]:
         """The options that decide what is trained, not where or how robustly.
 

@@ -105,6 +105,12 @@ class ValidationSplit(_Model):
     fraction: float = Field(gt=0.0, lt=1.0, description="Fraction of rows moved to validation.")
     seed: int = Field(0, description="Seed of the random train/validation assignment.")
     name: str = Field("validation", description="Name of the new split.")
+    order_column: str | None = Field(
+        None,
+        description="Split by this column's order instead of at random: the rows with the "
+        "highest values move (a split by time, e.g. an event time or sequence number), so the "
+        "new split never holds rows older than the ones left behind.",
+    )
 
 
 class _TokenTransform(_Model):
@@ -161,7 +167,28 @@ class TabularTransform(_Model):
         return columns
 
 
-Transform = Annotated[TextTransform | ChatTransform | TabularTransform, Field(discriminator="name")]
+class DetectionTransform(_Model):
+    """Images with boxes -> `image` (PNG bytes), `boxes` and `labels` for object detection.
+
+    Boxes are written flat (`x1, y1, x2, y2` per object, float32 pixels) beside one int64 label
+    per object; every box must lie inside its image and every label in `0..num_classes-1`.
+    """
+
+    name: Literal["detection"] = Field("detection", description="Transform name.")
+    num_classes: int = Field(ge=1, description="Object classes; labels are 0..num_classes-1.")
+    image_column: str = Field("image", description="Column holding encoded image bytes (PNG).")
+    boxes_column: str = Field(
+        "boxes", description="Column holding a list of [x1, y1, x2, y2] pixel boxes per image."
+    )
+    labels_column: str = Field(
+        "labels", description="Column holding one integer class label per box."
+    )
+
+
+Transform = Annotated[
+    TextTransform | ChatTransform | TabularTransform | DetectionTransform,
+    Field(discriminator="name"),
+]
 
 
 class DataConfig(_Model):
@@ -180,7 +207,9 @@ class DataConfig(_Model):
         description="Integer column with a unique id per row; None numbers rows 0..n-1 per split. "
         "Written as the 'id' column.",
     )
-    transform: Transform = Field(description="How rows become columns: 'text', 'chat', 'tabular'.")
+    transform: Transform = Field(
+        description="How rows become columns: 'text', 'chat', 'tabular', 'detection'."
+    )
     compression: str | None = Field(
         "zstd", description="MDS shard compression, e.g. 'zstd', 'zstd:7', 'gz'; None for none."
     )
@@ -196,6 +225,11 @@ class DataConfig(_Model):
     )
     num_proc: int | None = Field(
         None, ge=1, description="Processes for the tokenizing map (None: this process only)."
+    )
+    test: ValidationSplit | None = Field(
+        None,
+        description="Optionally carve a test split as well (give it its name, e.g. 'test'); "
+        "carved before `validation`, so with `order_column` it holds the latest rows.",
     )
 
     @field_validator("name")
@@ -259,6 +293,19 @@ class DataConfig(_Model):
             if kept is not None and self.validation.name in kept:
                 raise ValueError(
                     f"validation.name: split {self.validation.name!r} already exists in the source"
+                )
+        if self.test is not None:
+            if self.validation is not None and self.test.name == self.validation.name:
+                raise ValueError(f"test.name: {self.test.name!r} is the validation split's name")
+            kept = self.splits if self.splits is not None else known
+            if kept is not None and self.test.from_split not in kept:
+                raise ValueError(
+                    f"test.from_split: split {self.test.from_split!r} "
+                    f"is not among the splits {sorted(kept)}"
+                )
+            if kept is not None and self.test.name in kept:
+                raise ValueError(
+                    f"test.name: split {self.test.name!r} already exists in the source"
                 )
         if isinstance(self.transform, TabularTransform) and "id" in self.transform.columns:
             raise ValueError(

@@ -19,7 +19,13 @@ import datasets
 import numpy as np
 from streaming import MDSWriter
 
-from trainflow.data.config import DataConfig, PreparedDataset, SplitInfo, TabularTransform
+from trainflow.data.config import (
+    ChatTransform,
+    DataConfig,
+    PreparedDataset,
+    SplitInfo,
+    TextTransform,
+)
 from trainflow.data.paths import default_datasets_root, join_uri
 from trainflow.data.sources import load_source, source_fingerprint
 from trainflow.data.store import FORMAT_VERSION, check_writable, publishing, read_manifest
@@ -41,7 +47,7 @@ def dataset_fingerprint(config: DataConfig) -> str:
     """Hash of everything that decides the shards' content (not file paths, not num_proc)."""
     exclude: dict[str, Any] = dict(_NOT_CONTENT)
     tokenizer = None
-    if not isinstance(config.transform, TabularTransform):
+    if isinstance(config.transform, TextTransform | ChatTransform):
         exclude["transform"] = {"tokenizer": True}
         tokenizer = tokenizer_fingerprint(config.transform.tokenizer)
     payload = {
@@ -135,7 +141,7 @@ def prepare_dataset(config: DataConfig, fingerprint: str | None = None) -> Prepa
         return _result(uri, manifest, cache_hit=True)
 
     tokenizer = None
-    if not isinstance(config.transform, TabularTransform):
+    if isinstance(config.transform, TextTransform | ChatTransform):
         tokenizer = load_tokenizer(
             config.transform.tokenizer, need_chat_template=config.transform.name == "chat"
         )

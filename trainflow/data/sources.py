@@ -1,13 +1,13 @@
 """Read a source into a `datasets.DatasetDict`, choose splits, and fingerprint the source."""
 
 import hashlib
-import json
 from functools import lru_cache
 from pathlib import Path
 
 import datasets
 
-from trainflow.data.config import DataConfig, FileSource, HubSource
+from trainflow.data.checks import check_files
+from trainflow.data.config import DataConfig, FileSource, HubSource, ValidationSplit
 from trainflow.data.errors import DataError
 from trainflow.data.paths import hf_cache_dir
 
@@ -58,47 +58,6 @@ def _describe(source: FileSource | HubSource, split: str) -> str:
     return f"split {split!r} of hub dataset {source.name!r}"
 
 
-def check_json_rows(path: Path, split: str) -> None:
-    """Check a JSON Lines (or one JSON array) file row by row before `datasets` parses it.
-
-    `datasets` reports a bad row without its line ("An error occurred while generating the
-    dataset", "position 59"); here the first bad row is named by line and column.
-
-    Raises:
-        DataError: a row that is not UTF-8, not JSON or not an object, or a file with no rows.
-    """
-    data = path.read_bytes()
-    where = f"file {path} of split {split!r}"
-    if data.lstrip()[:1] == b"[":  # one JSON array of rows
-        try:
-            rows = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            at = f"line {err.lineno}, column {err.colno}" if hasattr(err, "lineno") else "it"
-            raise DataError(f"{where}: {at} is not valid JSON ({err})") from None
-        if not rows:
-            raise DataError(f"{where} has no rows (an empty JSON array)")
-        return
-    count = 0
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            row = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise DataError(f"{where}: line {number} is not UTF-8 text") from None
-        except json.JSONDecodeError as err:
-            raise DataError(
-                f"{where}: line {number}, column {err.colno} is not valid JSON ({err.msg})"
-            ) from None
-        if not isinstance(row, dict):
-            raise DataError(
-                f"{where}: line {number} is a JSON {type(row).__name__}, not an object of columns"
-            )
-        count += 1
-    if count == 0:
-        raise DataError(f"{where} has no rows: every line is blank")
-
-
 def load_source(config: DataConfig) -> datasets.DatasetDict:
     """Load the source, keep the configured splits and carve the validation split.
 
@@ -114,13 +73,7 @@ def load_source(config: DataConfig) -> datasets.DatasetDict:
     """
     source = config.source
     cache = str(hf_cache_dir())
-    if isinstance(source, FileSource):
-        for split, paths in source.files.items():
-            for path in paths:
-                if Path(path).stat().st_size == 0:
-                    raise DataError(f"file {path} of split {split!r} is empty")
-                if source.format == "json":
-                    check_json_rows(Path(path), split)
+    check_files(config)
     try:
         if isinstance(source, FileSource):
             loaded = datasets.load_dataset(source.format, data_files=source.files, cache_dir=cache)
@@ -142,22 +95,47 @@ def load_source(config: DataConfig) -> datasets.DatasetDict:
         if len(ds) == 0:
             raise DataError(f"{_describe(source, split)} is empty")
 
-    if config.validation is not None:
-        val = config.validation
-        if val.from_split not in loaded:
-            raise DataError(f"validation.from_split {val.from_split!r} not in {sorted(loaded)}")
-        if val.name in loaded:
-            raise DataError(f"validation.name {val.name!r} is already a split of the source")
-        parts = loaded[val.from_split].train_test_split(test_size=val.fraction, seed=val.seed)
-        for split, ds in ((val.from_split, parts["train"]), (val.name, parts["test"])):
-            if len(ds) == 0:
-                raise DataError(
-                    f"split {split!r} would be empty after moving fraction {val.fraction} of "
-                    f"{_describe(source, val.from_split)} to validation"
-                )
-        loaded[val.from_split] = parts["train"]
-        loaded[val.name] = parts["test"]
+    for field, carve in (("test", config.test), ("validation", config.validation)):
+        if carve is not None:
+            _carve(loaded, carve, field, source)
     return loaded
+
+
+def _carve(
+    loaded: datasets.DatasetDict, val: ValidationSplit, field: str, source: FileSource | HubSource
+) -> None:
+    """Move `val.fraction` of `val.from_split` into the new split `val.name`, in place: at
+    random, or the rows last in `val.order_column` (nothing later is left behind)."""
+    if val.from_split not in loaded:
+        raise DataError(f"{field}.from_split {val.from_split!r} not in {sorted(loaded)}")
+    if val.name in loaded:
+        raise DataError(f"{field}.name {val.name!r} is already a split of the source")
+    rows = loaded[val.from_split]
+    if val.order_column is None:
+        parts = rows.train_test_split(test_size=val.fraction, seed=val.seed)
+        kept, moved = parts["train"], parts["test"]
+    else:
+        if val.order_column not in rows.column_names:
+            raise DataError(
+                f"{field}.order_column {val.order_column!r} is not a column of "
+                f"{_describe(source, val.from_split)}; it has {rows.column_names}"
+            )
+        ordered = rows.sort(val.order_column)
+        cut = len(rows) - holdout_size(len(rows), val.fraction)
+        kept, moved = ordered.select(range(cut)), ordered.select(range(cut, len(rows)))
+    for split, ds in ((val.from_split, kept), (val.name, moved)):
+        if len(ds) == 0:
+            raise DataError(
+                f"split {split!r} would be empty after moving fraction {val.fraction} of "
+                f"{_describe(source, val.from_split)} to {val.name}"
+            )
+    loaded[val.from_split] = kept
+    loaded[val.name] = moved
+
+
+def holdout_size(num_rows: int, fraction: float) -> int:
+    """Rows an ordered split moves out of `num_rows` (rounded down: never more than asked)."""
+    return int(num_rows * fraction)
 
 
 def describe_split(config: DataConfig, split: str) -> str:

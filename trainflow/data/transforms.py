@@ -7,6 +7,8 @@ number in the split) so readers can check exactly which samples they saw.
 - `chat`: `input_ids` + `assistant_masks` (1 on answer tokens, including the end-of-turn token),
   the columns TRL 1.16's `SFTTrainer` folds into labels for pre-tokenized data.
 - `tabular`: the named columns, cast to their declared types.
+- `detection`: `image` (PNG bytes), `boxes` (flat float32 `x1, y1, x2, y2` per object) and
+  `labels` (int64, one per object), each box checked against its image's size.
 """
 
 from typing import Any
@@ -18,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from trainflow.data.config import (
     ChatTransform,
     DataConfig,
+    DetectionTransform,
     ScalarType,
     TabularTransform,
     TextTransform,
@@ -26,6 +29,7 @@ from trainflow.data.errors import DataError
 from trainflow.data.sources import describe_split
 
 _ARROW_TYPES = {"str": "string"}
+DETECTION_COLUMNS = {"image": "bytes", "boxes": "ndarray:float32", "labels": "ndarray:int64"}
 
 
 def output_columns(config: DataConfig) -> dict[str, str]:
@@ -34,6 +38,9 @@ def output_columns(config: DataConfig) -> dict[str, str]:
     columns: dict[str, str] = {"id": "int64"}
     if isinstance(transform, TabularTransform):
         columns.update(transform.columns)
+        return columns
+    if isinstance(transform, DetectionTransform):
+        columns.update(DETECTION_COLUMNS)
         return columns
     columns["input_ids"] = "ndarray:int32"
     if isinstance(transform, ChatTransform):
@@ -191,6 +198,100 @@ def _fit_length(
     return ds
 
 
+class _DetectionRows:
+    """Batched map function: image bytes + nested boxes + labels -> the checked MDS columns."""
+
+    def __init__(self, transform: DetectionTransform, where: str) -> None:
+        self.transform = transform
+        self.where = where
+
+    def _row(self, row_id: int, image: bytes, boxes: Any, labels: Any) -> tuple[Any, Any]:
+        from trainflow.data.shapes import decode_png
+
+        t = self.transform
+        where = f"row id {row_id} of {self.where}"
+        try:
+            height, width = decode_png(image).shape[:2]
+        except Exception as err:  # PIL raises several types for bytes that are no image
+            raise DataError(f"{where}: column {t.image_column!r} is not an image: {err}") from err
+        box_array = np.asarray(boxes, dtype=np.float32).reshape(-1, 4) if boxes else None
+        label_array = np.asarray(labels if labels is not None else [], dtype=np.int64)
+        if box_array is None or len(box_array) != len(label_array):
+            raise DataError(
+                f"{where}: {len(label_array)} label(s) in {t.labels_column!r} for "
+                f"{0 if box_array is None else len(box_array)} box(es) in {t.boxes_column!r}; "
+                "give at least one box and one label per box"
+            )
+        x1, y1, x2, y2 = box_array.T
+        if not (
+            (x1 >= 0) & (x1 < x2) & (x2 <= width) & (y1 >= 0) & (y1 < y2) & (y2 <= height)
+        ).all():
+            raise DataError(
+                f"{where}: column {t.boxes_column!r} has a box that is empty or outside the "
+                f"{width} x {height} image: {box_array.tolist()}"
+            )
+        if not ((label_array >= 0) & (label_array < t.num_classes)).all():
+            raise DataError(
+                f"{where}: column {t.labels_column!r} has labels {label_array.tolist()} outside "
+                f"0..{t.num_classes - 1} (transform.num_classes={t.num_classes})"
+            )
+        return box_array.reshape(-1), label_array
+
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        t = self.transform
+        rows = [
+            self._row(i, image, boxes, labels)
+            for i, image, boxes, labels in zip(
+                batch["id"],
+                batch[t.image_column],
+                batch[t.boxes_column],
+                batch[t.labels_column],
+                strict=True,
+            )
+        ]
+        return {
+            "image": batch[t.image_column],
+            "boxes": [boxes for boxes, _ in rows],
+            "labels": [labels for _, labels in rows],
+        }
+
+
+def _detection(
+    config: DataConfig, transform: DetectionTransform, split: str, ds: datasets.Dataset
+) -> datasets.Dataset:
+    """Check every image, box and label of a split and write them as the detection columns."""
+    where = describe_split(config, split)
+    for column in (transform.image_column, transform.boxes_column, transform.labels_column):
+        _require_column(config, split, ds, column)
+    if getattr(ds.features[transform.image_column], "dtype", None) not in (
+        "binary",
+        "large_binary",
+    ):
+        raise DataError(
+            f"column {transform.image_column!r} of {where} holds "
+            f"{ds.features[transform.image_column]}, not encoded image bytes"
+        )
+    if len(ds) == 0:
+        raise DataError(f"{where} has no images")
+    keep = list(DETECTION_COLUMNS)
+    mapped = ds.map(
+        _DetectionRows(transform, where),
+        batched=True,
+        num_proc=config.num_proc,
+        remove_columns=[c for c in ds.column_names if c != "id"],
+        features=datasets.Features(
+            {
+                "id": ds.features["id"],
+                "image": datasets.Value("binary"),
+                "boxes": datasets.Sequence(datasets.Value("float32")),
+                "labels": datasets.Sequence(datasets.Value("int64")),
+            }
+        ),
+        desc=f"checking {split}",
+    )
+    return mapped.select_columns(["id", *keep])
+
+
 def apply_transform(
     config: DataConfig,
     split: str,
@@ -218,6 +319,8 @@ def apply_transform(
     if isinstance(transform, TabularTransform):
         typed = _cast_scalars(config, split, ds, transform.columns)
         return typed.select_columns(list(output_columns(config))), 0
+    if isinstance(transform, DetectionTransform):
+        return _detection(config, transform, split, ds), 0
 
     assert tokenizer is not None
     ds = _cast_scalars(config, split, ds, transform.keep_columns)

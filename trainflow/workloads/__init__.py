@@ -69,4 +69,8 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         "transformer", "trainflow.workloads.transformer", "torch", "Transformer"
     ),
     "sft": WorkloadSpec("sft", "trainflow.workloads.sft", "hf", "SFT", alias="champion"),
+    "detection": WorkloadSpec("detection", "trainflow.workloads.detection", "torch", "Detection"),
+    "two_tower": WorkloadSpec(
+        "two_tower", "trainflow.workloads.two_tower", "lightning", "Two-tower", alias="champion"
+    ),
 }

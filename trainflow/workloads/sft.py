@@ -71,24 +71,32 @@ def build_model(job: SFTJob) -> PreTrainedModel:
 
 
 def check_config(config: SFTConfig) -> None:
-    """Refuse, before data is prepared or any rank starts, names the ranks would only fail on.
+    """Refuse, before data is prepared or any rank starts, input the ranks would only fail on.
 
-    A local chat file must parse row by row, the learning-rate schedule must be one the
-    Trainer knows, and every LoRA target must name modules of the model (built on the meta
-    device: no weights, no memory).
+    A local chat file must parse row by row (`check_files`), and the names must be ones the
+    Trainer and the model know (`check_names`).
+
+    Raises:
+        ValueError: naming the option or file, the bad value and what would be valid.
+    """
+    from trainflow.data.checks import check_files
+
+    check_files(config.data_config())
+    check_names(config)
+
+
+def check_names(config: SFTConfig) -> None:
+    """The learning-rate schedule must be one the Trainer knows, and every LoRA target must
+    name modules of the model (built on the meta device: no weights, no memory).
 
     Raises:
         ValueError: naming the option, the bad value and what would be valid.
     """
     from transformers import SchedulerType
 
-    data = config.data_config()
-    if data.source.kind == "files" and data.source.format == "json":
-        from trainflow.data.sources import check_json_rows
+    from trainflow.data.checks import check_files
 
-        for split, paths in data.source.files.items():
-            for path in paths:
-                check_json_rows(Path(path), split)
+    check_files(config.data_config())
     schedules = [s.value for s in SchedulerType]
     if config.training.lr_scheduler not in schedules:
         raise ValueError(

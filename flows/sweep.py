@@ -1,0 +1,411 @@
+"""Hyperparameter sweep: many trials of one pipeline under a rank budget, the best promoted.
+
+    python -m flows.sweep mlp --space '{"learning_rate": {"log_uniform": [1e-4, 1e-2]}}' \\
+        --trials 8 --metric eval_mse --mode min --budget 4
+    python -m flows.sweep sft --space '{"training.optimizer.learning_rate": \\
+        {"log_uniform": [1e-5, 1e-3]}, "lora_settings.r": [8, 16]}' \\
+        --trials 12 --metric eval_loss --mode min --pruner median
+    python -m flows.sweep --resume SWEEP_RUN_ID      # continue a stopped sweep
+    python -m flows.sweep --help
+
+Each trial is a subflow run of the pipeline and a child of the sweep's MLflow run. Training
+holds the trial's ranks in the Prefect global concurrency limit `--pool` (sized `--budget`),
+so sweeps and runs sharing the pool never start more ranks than it has. The best trial's
+model gets `--alias` (champion) only when it passed the pipeline's own gate. See
+docs/sweeps.md.
+
+Deploy: `prefect --no-prompt deploy --name sweep/cpu-local` (see prefect.yaml).
+"""
+
+import json
+import sys
+import time
+from typing import Any, Literal
+
+import optuna
+from prefect import flow
+from prefect.futures import PrefectFuture, wait
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flows.skeleton import PipelineResult
+from tasks.sweep import ensure_rank_pool, interrupt_trial, pipeline_flow, publish_trials, run_trial
+from trainflow import sweep as space_lib
+from trainflow import tracking
+from trainflow.cli import run_pipeline
+from trainflow.paths import RUN_CONFIG_FILE, SafeName, read_run_config, run_output_dir
+
+# Tag on a trial's MLflow run the sweep ended itself (a pruned trial).
+TRIAL_STATE_TAG = "trainflow.sweep.trial_state"
+# What a sweep may not change when it is resumed: they define its study.
+_STUDY_FIELDS = ("pipeline", "space", "base", "sampler", "seed", "metric", "mode")
+
+
+class SweepConfig(BaseModel):
+    """The pipeline, the space searched, how trials are chosen and stopped, the rank budget."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    pipeline: Literal["mlp", "transformer", "sft"] = Field(
+        "mlp", description="Pipeline every trial runs (its flow in flows/)."
+    )
+    space: space_lib.SearchSpace = Field(
+        default_factory=dict,
+        description='Dotted config field -> a list of values, or {"log_uniform": [lo, hi]}, '
+        '{"uniform": [lo, hi]}, {"int": [lo, hi]}; e.g. {"learning_rate": [1e-3, 3e-3]}.',
+    )
+    base: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the pipeline shared by every trial (as in its --config file); "
+        "its own defaults for the rest.",
+    )
+    trials: int = Field(12, ge=1, description="Trials in all (a grid runs at most its size).")
+    metric: str = Field("eval_mse", description="Metric of the pipeline's result to optimise.")
+    mode: space_lib.Mode = Field("min", description="Whether a lower or higher metric is better.")
+    sampler: space_lib.Sampler = Field(
+        "tpe", description="grid: every combination; random; tpe: Optuna's TPE."
+    )
+    seed: int = Field(0, description="Seed of the sampler.")
+    pruner: space_lib.Pruner = Field(
+        "none",
+        description="Stop poor trials early from their logged intermediate metric: median "
+        "(worse than the median at that step) or asha (successive halving); none.",
+    )
+    prune_metric: str = Field(
+        "train_loss", description="Intermediate metric the ranks log that the pruner reads."
+    )
+    prune_mode: space_lib.Mode = Field(
+        "min", description="Whether a lower or higher intermediate metric is better."
+    )
+    prune_startup_trials: int = Field(
+        2, ge=0, description="Median pruner: trials that finish before any is pruned."
+    )
+    prune_warmup_steps: int = Field(
+        0, ge=0, description="Steps a trial runs before it can be pruned (ASHA: first rung)."
+    )
+    budget: int = Field(
+        2,
+        ge=1,
+        description="Ranks (GPUs, or CPU processes) the pool runs at once; the pool's "
+        "size is set to it.",
+    )
+    pool: str = Field(
+        "gpus", description="Prefect global concurrency limit the trials' training holds."
+    )
+    parallel: int | None = Field(
+        None,
+        ge=1,
+        description="Trials in flight at once (training, waiting for ranks, or evaluating). "
+        "None: what the budget trains at once plus one, so one trial's start-up and "
+        "registration overlap another's training.",
+    )
+    keep_versions: bool = Field(
+        True,
+        description="Keep the other trials' registered models (without the alias); "
+        "--no-keep-versions deletes those versions at the end.",
+    )
+    alias: SafeName = Field("champion", description="Alias the best passing trial's model gets.")
+    poll_s: float = Field(
+        2.0, gt=0, description="Seconds between looks at the running trials' metrics."
+    )
+    resume: SafeName | None = Field(
+        None,
+        description="MLflow run id of a stopped sweep: continue it; its finished trials are "
+        "not run again, the ones it was running start over.",
+    )
+
+    def trial_config(self, params: dict[str, Any] | None = None) -> Any:
+        """A trial's validated pipeline config: `base`, the trial's values, nothing else."""
+        merged = space_lib.with_params(self.base_config().model_dump(), params or {})
+        return space_lib.config_class(self.pipeline).model_validate(merged)
+
+    def base_config(self) -> Any:
+        """`base` as the pipeline's config (its defaults filled in)."""
+        return space_lib.config_class(self.pipeline).model_validate(self.base)
+
+    @property
+    def ranks_per_trial(self) -> int:
+        return int(self.base_config().gpus)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SweepConfig":
+        base = self.base_config()
+        if self.space:
+            space_lib.check_space(type(base), base.model_dump(), self.space, self.sampler)
+        if base.gpus > self.budget:
+            raise ValueError(
+                f"a trial takes gpus={base.gpus} ranks but the budget is {self.budget}: "
+                "no trial could ever start"
+            )
+        return self
+
+
+class SweepResult(PipelineResult):
+    """The sweep's MLflow run and the best trial: its model version, alias and metrics."""
+
+    best_trial: int | None = Field(description="Number of the best complete trial, if any.")
+    num_complete: int = Field(description="Trials that finished with a metric.")
+    num_pruned: int = Field(description="Trials the pruner stopped early.")
+    num_failed: int = Field(description="Trials that failed.")
+
+
+@flow(name="sweep", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))
+def sweep(config: SweepConfig = SweepConfig()) -> SweepResult:
+    """Run trials of one pipeline under a rank budget; promote the best that passes its gate."""
+    if not config.space:
+        raise ValueError("space is empty: give at least one field to search (--space)")
+    base = config.trial_config()
+    pipeline_flow(config.pipeline)  # imported here, before trial threads need it
+    ensure_rank_pool(config.pool, config.budget)
+    with tracking.pipeline_run(
+        base.experiment_name,
+        run_name=f"sweep-{config.pipeline}-{flow_run.get_name() or 'local'}",
+        params=config.model_dump(exclude={"resume"}),
+        tags={"trainflow.sweep": config.pipeline, "prefect_flow_run_id": str(flow_run.get_id())},
+        resume_run_id=config.resume,
+    ) as parent:
+        folder = run_output_dir("sweep", parent)
+        _save_config(config, parent)
+        print(
+            f"sweep {parent} (MLflow experiment {base.experiment_name!r}); if it stops, "
+            f"continue it with: python -m flows.sweep --resume {parent}"
+        )
+        study = space_lib.open_study(
+            folder,
+            parent,
+            config.mode,
+            space_lib.make_sampler(config.sampler, config.seed),
+            space_lib.make_pruner(
+                config.pruner, config.prune_startup_trials, config.prune_warmup_steps
+            ),
+        )
+        if config.sampler == "grid":
+            space_lib.enqueue_grid(study, config.space)
+        if requeued := space_lib.requeue_interrupted(study):
+            print(f"trials {requeued} were running when the sweep stopped: they start over")
+        _Trials(config, parent, study).run()
+        return _promote(config, base, parent, study)
+
+
+def _save_config(config: SweepConfig, parent: str) -> None:
+    """Keep the sweep's config beside its study (what `--resume` starts from); refuse a resume
+    that changes what the study searches."""
+    path = run_output_dir("sweep", parent) / RUN_CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mine = config.model_dump(mode="json", exclude={"resume"})
+    if config.resume and path.exists():
+        saved = read_run_config("sweep", parent)
+        changed = [k for k in _STUDY_FIELDS if saved.get(k) != mine[k]]
+        if changed:
+            raise ValueError(f"resume {parent}: {', '.join(changed)} differ from the sweep's own")
+    path.write_text(json.dumps(mine, indent=2))
+
+
+class _Trials:
+    """The sweep's loop: keep trials in flight, feed the pruner, record how each ended."""
+
+    def __init__(self, config: SweepConfig, parent: str, study: optuna.Study):
+        self.config, self.parent, self.study = config, parent, study
+        self.keys = list(config.space)
+        self.in_flight: dict[int, tuple[optuna.Trial, PrefectFuture[Any]]] = {}
+        self.run_ids: dict[int, str] = {}
+        self.reported: dict[int, set[int]] = {}
+        self.pruning: set[int] = set()
+        at_once = max(1, config.budget // config.ranks_per_trial)
+        self.parallel = config.parallel or at_once + 1
+        wanted = config.trials
+        if config.sampler == "grid":
+            wanted = min(wanted, space_lib.grid_size(config.space))
+        self.wanted = wanted
+
+    def run(self) -> None:
+        self.publish()
+        try:
+            while True:
+                self.start_trials()
+                if not self.in_flight:
+                    return
+                futures = [future for _, future in self.in_flight.values()]
+                self.watch(wait(futures, timeout=self.config.poll_s).done)
+        except BaseException:
+            # Stopped (Ctrl-C, SIGTERM, a cancel): stop the trials as their own runs would be,
+            # and leave them RUNNING in the study, so a resume starts them over.
+            for number in self.in_flight:
+                interrupt_trial(self.key(number), KeyboardInterrupt)
+            for number, (trial, future) in self.in_flight.items():
+                future.wait(timeout=120)
+                if future.state.is_completed():  # it ended just before the stop: keep it
+                    self.finish(number, trial, future)
+            raise
+
+    def key(self, number: int) -> str:
+        return f"{self.parent}:{number}"
+
+    def start_trials(self) -> None:
+        while (
+            len(self.in_flight) < self.parallel
+            and space_lib.counted(self.study) + len(self.in_flight) < self.wanted
+        ):
+            trial = self.study.ask()
+            params = space_lib.suggest(trial, self.config.space)
+            trial_config = self.config.trial_config(params).model_copy(
+                update={"parent_run_id": self.parent, "gpu_pool": self.config.pool}
+            )
+            trial.set_user_attr(space_lib.STARTED, time.time())
+            print(f"trial {trial.number} starts: {params}")
+            future = run_trial.submit(
+                self.config.pipeline, trial.number, trial_config, self.key(trial.number)
+            )
+            self.in_flight[trial.number] = (trial, future)
+
+    def watch(self, done: set[PrefectFuture[Any]]) -> None:
+        """Report new intermediate values, prune what the pruner says, record finished ones."""
+        if self.config.pruner != "none":
+            for number, (trial, future) in self.in_flight.items():
+                if number in self.pruning or future in done:
+                    continue
+                self.report(number, trial)
+                if trial.should_prune() and self.training(number):
+                    print(f"trial {number} pruned: its {self.config.prune_metric} is behind")
+                    if interrupt_trial(self.key(number), optuna.TrialPruned):
+                        self.pruning.add(number)
+        ended = [n for n, (_, future) in self.in_flight.items() if future in done]
+        for number in ended:
+            self.finish(number, *self.in_flight.pop(number))
+        if ended:
+            self.publish()
+
+    def run_id(self, number: int) -> str | None:
+        """The trial's MLflow run (found by its flow run name) once it exists."""
+        if number not in self.run_ids:
+            suffix = f"-trial-{number}"
+            for name, run_id in tracking.child_runs(self.parent).items():
+                if name.endswith(suffix):
+                    self.run_ids[number] = run_id
+        return self.run_ids.get(number)
+
+    def training(self, number: int) -> bool:
+        """Whether the trial's ranks are still at work (its progress is under 100%)."""
+        run_id = self.run_id(number)
+        if run_id is None:
+            return False
+        done = tracking.read_progress(
+            run_output_dir(self.config.pipeline, run_id) / tracking.PROGRESS_FILE
+        )
+        return done is not None and done < 100.0
+
+    def report(self, number: int, trial: optuna.Trial) -> None:
+        """Pass the intermediate values the ranks logged since the last look to the pruner."""
+        run_id = self.run_id(number)
+        if run_id is None:
+            return
+        seen = self.reported.setdefault(number, set())
+        # The pruner compares in the study's direction; flip a metric that goes the other way.
+        sign = 1.0 if self.config.prune_mode == self.config.mode else -1.0
+        for step, value in sorted(
+            tracking.metric_history(run_id, self.config.prune_metric).items()
+        ):
+            if step not in seen:
+                trial.report(sign * value, step)
+                seen.add(step)
+
+    def finish(self, number: int, trial: optuna.Trial, future: PrefectFuture[Any]) -> None:
+        """Record how the trial ended: complete with its metric, pruned, or failed."""
+        run_id = self.run_id(number)
+        if run_id:
+            trial.set_user_attr(space_lib.RUN_ID, run_id)
+        trial.set_user_attr(space_lib.ENDED, time.time())
+        try:
+            result: PipelineResult = future.result()
+        except BaseException as exc:
+            if number in self.pruning:
+                if run_id:
+                    tracking.end_run(run_id, "KILLED", {TRIAL_STATE_TAG: "pruned"})
+                self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                print(f"trial {number} stopped early (pruned)")
+                return
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            trial.set_user_attr(space_lib.ERROR, message[:500])
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            print(f"trial {number} failed: {message}")
+            return
+        if run_id is not None and self.config.pruner != "none":
+            self.report(number, trial)
+        trial.set_user_attr(space_lib.VERSION, result.model_version)
+        trial.set_user_attr(space_lib.PASSED, result.champion)
+        value = result.metrics.get(self.config.metric)
+        if value is None:
+            have = ", ".join(sorted(result.metrics))
+            trial.set_user_attr(space_lib.ERROR, f"no metric {self.config.metric!r} (has {have})")
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            return
+        self.study.tell(trial, value)
+        print(f"trial {number} complete: {self.config.metric} {value:.4g}")
+
+    def publish(self) -> None:
+        rows = space_lib.trial_rows(self.study)
+        metric = self.config.metric
+        publish_trials(
+            key=f"sweep-{self.config.pipeline}-trials",
+            title=f"Sweep of {self.config.pipeline}: {len(rows)} trials",
+            table=space_lib.markdown_table(rows, metric, self.keys),
+            figure=space_lib.metric_plot(rows, metric, self.keys),
+        )
+
+
+def _promote(config: SweepConfig, base: Any, parent: str, study: optuna.Study) -> SweepResult:
+    """Give the alias to the best trial's model if it passed the gate; log the sweep's outcome."""
+    rows = space_lib.trial_rows(study)
+    best = space_lib.best_row(rows, config.mode)
+    name = base.registered_model_name
+    promoted = best is not None and best.passed_gate and best.model_version is not None
+    if best is not None and best.model_version and promoted:
+        tracking.set_alias(name, best.model_version, config.alias)
+        print(f"trial {best.number} is the best: {name} v{best.model_version} is {config.alias}")
+    elif best is not None:
+        print(f"trial {best.number} is the best but did not pass the gate: no {config.alias}")
+    if not config.keep_versions:
+        for row in rows:
+            if row.model_version and (best is None or row.number != best.number):
+                tracking.delete_model_version(name, row.model_version)
+    states = [r.state for r in rows]
+    summary = {
+        "num_complete": states.count("complete"),
+        "num_pruned": states.count("pruned"),
+        "num_failed": states.count("failed"),
+    }
+    metrics: dict[str, float] = {}
+    if best is not None and best.value is not None:
+        metrics[f"best_{config.metric}"] = best.value
+    tracking.log_metrics(parent, {**metrics, **{k: float(v) for k, v in summary.items()}})
+    tracking.log_figure(
+        parent, space_lib.metric_plot(rows, config.metric, list(config.space)), "sweep.png"
+    )
+    return SweepResult(
+        mlflow_run_id=parent,
+        technique=base.technique.name,
+        registered_model_name=name,
+        model_version=best.model_version if best else None,
+        champion=promoted,
+        alias=config.alias if promoted else None,
+        prefect_flow_run_id=str(flow_run.get_id()),
+        checkpoint_uri=None,
+        metrics=metrics,
+        tracking_uri=tracking.tracking_uri(),
+        best_trial=best.number if best else None,
+        **summary,
+    )
+
+
+def main(argv: list[str] | None = None) -> SweepResult:
+    from flows.local_server import local_prefect_server
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and not args[0].startswith("-"):
+        args = ["--pipeline", *args]  # the pipeline may come first, as a word
+    return run_pipeline(sweep, SweepConfig(), args, __doc__, server=local_prefect_server)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

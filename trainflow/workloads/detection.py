@@ -1,0 +1,282 @@
+"""Object detection with torchvision's RetinaNet under DDP, on the generated shapes dataset.
+
+`train` runs on every rank with the strategy the subflow chose and the shared loop; a micro-
+batch is `(images, targets)`: a list of image tensors and a list of `{"boxes", "labels"}`
+dicts, which the loop moves to the rank's device as they are. The step's global batch is a
+function of the seed and the step only, so every rank (and a resumed run, on any world size)
+takes exactly its slice of the same images. `evaluate` measures the COCO mAP of the trained
+and of the untrained model on the held-out split.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torchvision.models.detection import RetinaNet
+
+from trainflow import checkpoint, runtime
+from trainflow.configs.detection import DetectionConfig, DetectionJob
+from trainflow.data.errors import DataError
+from trainflow.data.paths import is_remote
+from trainflow.data.shapes import decode_png, render
+from trainflow.models.detection import BoxPredictor, build_retinanet
+from trainflow.strategies.base import Strategy
+from trainflow.strategies.job import TrainResult, local_path
+from trainflow.strategies.loop import Batch, Schedule, fit
+from trainflow.tracking import PROGRESS_FILE, metrics_sink
+from trainflow.workloads import Evaluation
+
+Target = dict[str, Tensor]
+Split = list[tuple[Tensor, Target]]
+
+
+def build_model(job: DetectionJob) -> RetinaNet:
+    """The RetinaNet `job.config` describes, freshly initialised."""
+    return _build(job.config)
+
+
+def _build(config: DetectionConfig) -> RetinaNet:
+    m = config.model
+    return build_retinanet(
+        config.data.num_classes,
+        config.data.image_size,
+        m.backbone,
+        m.fpn_channels,
+        m.detections_per_image,
+    )
+
+
+def check_config(config: DetectionConfig) -> None:
+    """Refuse, before data is generated or any rank starts, what would only fail later.
+
+    The mAP needs a COCO evaluation backend, and every class must appear among the held-out
+    images, or its precision would be measured on nothing (the held-out boxes are drawn here:
+    a second for the default sizes).
+
+    Raises:
+        ValueError: naming the option to change.
+    """
+    import importlib.util
+
+    if not any(importlib.util.find_spec(m) for m in ("pycocotools", "faster_coco_eval")):
+        raise ValueError(
+            "evaluation needs pycocotools (or faster-coco-eval) for the COCO mAP; "
+            "install the project's dependencies"
+        )
+    spec, data = config.data.spec(), config.data
+    index = sorted(data.counts()).index("validation")
+    seen: set[int] = set()
+    for i in range(data.num_eval_images):
+        seen.update(render(spec, np.random.default_rng([spec.seed, index, i]))[2].tolist())
+    missing = sorted(set(range(data.num_classes)) - seen)
+    if missing:
+        raise ValueError(
+            f"data.num_eval_images={data.num_eval_images}: the held-out images show no object "
+            f"of class(es) {missing} of data.num_classes={data.num_classes}; use more images"
+        )
+
+
+def read_split(uri: str, split: str) -> Split:
+    """Every image of a prepared split with its targets, decoded (the dataset is small).
+
+    Each rank reads the whole split from the published MDS shards and draws its slice of
+    each step's batch itself, so no rank depends on how `streaming` would partition it.
+    """
+    from streaming import LocalDataset
+
+    if is_remote(uri):
+        raise DataError(f"detection reads its dataset from a local folder, not {uri}")
+    samples = LocalDataset(local=uri, split=split)
+    out: Split = []
+    for i in range(len(samples)):
+        row = samples[i]
+        image = torch.from_numpy(decode_png(row["image"]).copy()).permute(2, 0, 1)
+        target = {
+            "boxes": torch.from_numpy(row["boxes"].reshape(-1, 4).copy()),
+            "labels": torch.from_numpy(row["labels"].copy()),
+        }
+        out.append((image.float() / 255, target))
+    return out
+
+
+def global_batch(config: DetectionConfig, step: int, num_images: int) -> list[int]:
+    """Image indices of the whole batch of `step` (1-based): every image once per epoch, in an
+    order that depends only on the seed and the epoch."""
+    size = config.training.global_batch_size
+    epoch, index = divmod(step - 1, num_images // size)
+    order = torch.randperm(
+        num_images, generator=torch.Generator().manual_seed(config.training.seed * 7919 + epoch)
+    )
+    return order[index * size : (index + 1) * size].tolist()
+
+
+def micro_batches(
+    config: DetectionConfig, images: Split, step: int, rank: int, world_size: int
+) -> list[Batch]:
+    """This rank's contiguous slice of the step's global batch, as one micro-batch."""
+    per_rank = config.per_rank_batch_size(world_size)
+    mine = global_batch(config, step, len(images))[rank * per_rank : (rank + 1) * per_rank]
+    return [([images[i][0] for i in mine], [images[i][1] for i in mine])]
+
+
+def compute(model: nn.Module, batch: Batch) -> dict[str, Tensor]:
+    """RetinaNet's focal classification and box regression losses of one micro-batch."""
+    images, targets = batch
+    losses = model(images, targets)
+    return {"loss": sum(losses.values()), **losses}
+
+
+def train(
+    job: DetectionJob,
+    strategy: Strategy,
+    *,
+    output_dir: str,
+    mlflow_run_id: str | None = None,
+    resume_from: str | None = None,
+) -> TrainResult:
+    """Train on this rank with `strategy` (DDP); checkpoint, then export the weights."""
+    config = job.config
+    t = config.training
+    rank, world = runtime.get_global_rank(), runtime.get_world_size()
+    images = read_split(job.data.uri, "train")
+    torch.manual_seed(t.seed)
+    strategy.wrap(
+        build_model(job),
+        t.optimizer,
+        micro_batch_size=config.per_rank_batch_size(world),
+        grad_accum_steps=1,
+    )
+    start = 0
+    if (resume := checkpoint.resolve(resume_from)) is not None:
+        start, _ = strategy.load(resume)
+        runtime.print0(f"resumed from {resume} at step {start}")
+    print(
+        f"rank {rank}/{world} on {strategy.device}: {len(images)} images, "
+        f"{t.num_steps} steps of {config.per_rank_batch_size(world)} images",
+        flush=True,
+    )
+    fitted = fit(
+        strategy,
+        lambda step: micro_batches(config, images, step, rank, world),
+        compute,
+        Schedule(t.num_steps, t.log_every, config.checkpoint_every, config.keep_checkpoints),
+        metrics_sink(mlflow_run_id, runtime.is_rank_zero()),
+        Path(output_dir) / "checkpoints",
+        start_step=start,
+        progress_file=Path(output_dir) / PROGRESS_FILE,
+    )
+    model_path = Path(output_dir).resolve() / "model.pt"
+    strategy.export(model_path)
+    return TrainResult(
+        technique=strategy.name,
+        world_size=world,
+        wrapped_as=type(strategy.wrapped).__name__,
+        steps=fitted.steps,
+        metrics=fitted.last_metrics(),
+        history=fitted.history,
+        checkpoint_uri=checkpoint.uri(fitted.last_checkpoint),
+        model_uri=model_path.as_uri(),
+    )
+
+
+def load_model(job: DetectionJob, model_path: str | Path) -> RetinaNet:
+    """Rebuild the model and load exported weights with the safe loader."""
+    model = build_model(job)
+    model.load_state_dict(torch.load(model_path, map_location="cpu", weights_only=True))
+    return model.eval()
+
+
+@torch.no_grad()
+def predict(model: RetinaNet, images: list[Tensor], batch_size: int) -> list[Target]:
+    """The model's detections (`boxes`, `scores`, `labels`) for each image."""
+    model.eval()
+    found: list[Target] = []
+    for i in range(0, len(images), batch_size):
+        found.extend(model(images[i : i + batch_size]))
+    return found
+
+
+def mean_average_precision(
+    model: RetinaNet, held_out: Split, batch_size: int, prefix: str
+) -> dict[str, float]:
+    """COCO mAP (IoU 0.50:0.95), mAP at IoU 0.50 and 0.75 of `model` on `held_out`."""
+    from torchmetrics.detection import MeanAveragePrecision
+
+    metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox")
+    metric.update(
+        predict(model, [image for image, _ in held_out], batch_size),
+        [target for _, target in held_out],
+    )
+    result = metric.compute()
+    return {f"{prefix}_{k}": float(result[k]) for k in ("map", "map_50", "map_75")}
+
+
+def evaluate(job: DetectionJob, trained: TrainResult) -> Evaluation:
+    """Held-out mAP of the trained and of the untrained model (same seed, no training).
+
+    The trained model is kept for registration, with one held-out image as its input example.
+    """
+    config = job.config
+    held_out = read_split(job.data.uri, "validation")
+    model = load_model(job, local_path(trained.model_uri))
+    torch.manual_seed(config.training.seed)
+    untrained = build_model(job)
+    batch = config.evaluation.batch_size
+    metrics = mean_average_precision(model, held_out, batch, "eval")
+    metrics |= mean_average_precision(untrained, held_out, batch, "untrained")
+    example = held_out[0][0][None].numpy()
+    return Evaluation(metrics, model, example)
+
+
+def predictions_figure(job: DetectionJob, model: RetinaNet) -> Any:
+    """A grid of held-out images with the boxes `model` predicts (label and score on each)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    from trainflow.data.shapes import PALETTE, SHAPES
+
+    e = job.config.evaluation
+    shown = read_split(job.data.uri, "validation")[: e.num_plot_images]
+    found = predict(model, [image for image, _ in shown], e.batch_size)
+    columns = min(3, len(shown))
+    rows = -(-len(shown) // columns)
+    fig = Figure(figsize=(3 * columns, 3 * rows), dpi=100)
+    axes = list(fig.subplots(rows, columns, squeeze=False).flat)
+    for ax in axes:
+        ax.set_axis_off()
+    for ax, (image, _), d in zip(axes, shown, found, strict=False):  # a last row may have gaps
+        ax.imshow(image.permute(1, 2, 0).numpy())
+        for box, score, label in zip(d["boxes"], d["scores"], d["labels"], strict=True):
+            if score < e.plot_min_score:
+                continue
+            x1, y1, x2, y2 = box.tolist()
+            colour = np.array(PALETTE[int(label)]) / 255
+            ax.add_patch(Rectangle((x1, y1), x2 - x1, y2 - y1, fill=False, color=colour, lw=2))
+            name = SHAPES[int(label) % len(SHAPES)]
+            ax.text(
+                x1,
+                y1,
+                f"{int(label)} {name} {score:.2f}",
+                color="white",
+                fontsize=7,
+                va="bottom",
+                bbox={"facecolor": colour, "pad": 1, "lw": 0},
+            )
+    fig.suptitle(f"held-out predictions (score >= {e.plot_min_score})")
+    fig.tight_layout()
+    return fig
+
+
+def log_model(
+    job: DetectionJob, evaluation: Evaluation, run_id: str, name: str, tags: dict[str, str]
+) -> str:
+    """Log the trained detector (images in, boxes out) to the run and add a registry version."""
+    from trainflow.tracking import register_pytorch_model
+
+    predictor = BoxPredictor(evaluation.model)
+    return register_pytorch_model(run_id, predictor, name, evaluation.input_example, tags)
