@@ -37,7 +37,7 @@ from flows.techniques import techniques
 from tasks.reporting import publish_summary
 from trainflow import checkpoint, tracking
 from trainflow.gate import gate_failures
-from trainflow.paths import RUN_CONFIG_FILE, read_run_config, run_output_dir
+from trainflow.paths import RUN_CONFIG_FILE, STOP_FILE, read_run_config, run_output_dir
 from trainflow.resources import check_cpu_oversubscription, resolve_resources
 from trainflow.strategies.config import check_framework
 from trainflow.strategies.job import TrainResult, Workload
@@ -135,6 +135,7 @@ def tracked_run(
     ) as run_id:
         output_dir = run_output_dir(workload.name, run_id)
         output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / STOP_FILE).unlink(missing_ok=True)  # an earlier stop, not this run's
         if resume is None:
             saved = config.model_dump(mode="json", exclude={"resume"})
             (output_dir / RUN_CONFIG_FILE).write_text(json.dumps(saved, indent=2))

@@ -30,16 +30,26 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flows.skeleton import PipelineResult
-from tasks.sweep import ensure_rank_pool, interrupt_trial, pipeline_flow, publish_trials, run_trial
+from tasks.sweep import ensure_rank_pool, pipeline_flow, publish_trials, run_trial
 from trainflow import sweep as space_lib
 from trainflow import tracking
 from trainflow.cli import run_pipeline
-from trainflow.paths import RUN_CONFIG_FILE, SafeName, read_run_config, run_output_dir
+from trainflow.paths import (
+    RUN_CONFIG_FILE,
+    STOP_FILE,
+    SafeName,
+    read_run_config,
+    run_output_dir,
+)
 
 # Tag on a trial's MLflow run the sweep ended itself (a pruned trial).
 TRIAL_STATE_TAG = "trainflow.sweep.trial_state"
 # What a sweep may not change when it is resumed: they define its study.
 _STUDY_FIELDS = ("pipeline", "space", "base", "sampler", "seed", "metric", "mode")
+
+
+# How long a stopped sweep waits for its trials to checkpoint and end before it exits.
+STOP_WAIT_S = 120.0
 
 
 class SweepConfig(BaseModel):
@@ -229,18 +239,33 @@ class _Trials:
                 futures = [future for _, future in self.in_flight.values()]
                 self.watch(wait(futures, timeout=self.config.poll_s).done)
         except BaseException:
-            # Stopped (Ctrl-C, SIGTERM, a cancel): stop the trials as their own runs would be,
-            # and leave them RUNNING in the study, so a resume starts them over.
-            for number in self.in_flight:
-                interrupt_trial(self.key(number), KeyboardInterrupt)
-            for number, (trial, future) in self.in_flight.items():
-                future.wait(timeout=120)
-                if future.state.is_completed():  # it ended just before the stop: keep it
-                    self.finish(number, trial, future)
+            # Stopped (Ctrl-C, SIGTERM, a cancel): stop the trials as a preemption would (a
+            # checkpoint, their runs KILLED) and leave them RUNNING in the study, so a resume
+            # starts them over. A trial not yet training stops as soon as its ranks start.
+            pending = dict(self.in_flight)
+            deadline = time.monotonic() + STOP_WAIT_S
+            while pending and time.monotonic() < deadline:
+                for number in pending:
+                    self.stop(number)
+                done = wait([future for _, future in pending.values()], timeout=1.0).done
+                for number, (trial, future) in list(pending.items()):
+                    if future in done:
+                        del pending[number]
+                        if future.state.is_completed():  # it ended before the stop: keep it
+                            self.finish(number, trial, future)
             raise
 
-    def key(self, number: int) -> str:
-        return f"{self.parent}:{number}"
+    def stop(self, number: int) -> bool:
+        """Ask trial `number`'s training to stop (its stop file); False before its run exists.
+
+        The launch sees the file within a second, the ranks checkpoint and end, and the trial's
+        pipeline raises `StopRequested` (not retried), which ends its MLflow run KILLED.
+        """
+        run_id = self.run_id(number)
+        if run_id is None:
+            return False
+        (run_output_dir(self.config.pipeline, run_id) / STOP_FILE).touch()
+        return True
 
     def start_trials(self) -> None:
         while (
@@ -254,9 +279,7 @@ class _Trials:
             )
             trial.set_user_attr(space_lib.STARTED, time.time())
             print(f"trial {trial.number} starts: {params}")
-            future = run_trial.submit(
-                self.config.pipeline, trial.number, trial_config, self.key(trial.number)
-            )
+            future = run_trial.submit(self.config.pipeline, trial.number, trial_config)
             self.in_flight[trial.number] = (trial, future)
 
     def watch(self, done: set[PrefectFuture[Any]]) -> None:
@@ -268,7 +291,7 @@ class _Trials:
                 self.report(number, trial)
                 if trial.should_prune() and self.training(number):
                     print(f"trial {number} pruned: its {self.config.prune_metric} is behind")
-                    if interrupt_trial(self.key(number), optuna.TrialPruned):
+                    if self.stop(number):
                         self.pruning.add(number)
         ended = [n for n, (_, future) in self.in_flight.items() if future in done]
         for number in ended:

@@ -1,15 +1,14 @@
 """A sweep's tasks: the rank pool, one trial as a subflow run, the trial table artifact.
 
-Trials run in the sweep's task-runner threads. Each records its thread while it runs, so the
-sweep can stop it the way Ctrl-C stops a pipeline: an exception raised in that thread reaches
-the launch, which asks the ranks to checkpoint and stop, and the pipeline ends its MLflow run.
+Trials run in the sweep's task-runner threads. The sweep stops one (pruned, or the sweep
+itself stopped) through its run's stop file (`trainflow.paths.STOP_FILE`), which the launch
+watches: the ranks checkpoint and end as on a preemption, and the pipeline ends its MLflow run
+KILLED.
 """
 
 import base64
-import ctypes
 import importlib
 import io
-import threading
 from typing import Any
 
 from prefect import Flow, get_client, task
@@ -17,9 +16,6 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import ObjectAlreadyExists
 from pydantic import BaseModel
-
-_threads: dict[str, int] = {}  # trial key -> the thread running it
-_threads_lock = threading.Lock()
 
 
 def pipeline_flow(pipeline: str) -> Flow[..., Any]:
@@ -38,31 +34,9 @@ def ensure_rank_pool(name: str, size: int) -> None:
 
 
 @task(name="trial", task_run_name="trial-{number}", cache_policy=NO_CACHE, persist_result=False)
-def run_trial(pipeline: str, number: int, config: BaseModel, key: str) -> Any:
+def run_trial(pipeline: str, number: int, config: BaseModel) -> Any:
     """Run trial `number` as a subflow run of the pipeline (flow run `trial-<number>`)."""
-    with _threads_lock:
-        _threads[key] = threading.get_ident()
-    try:
-        return pipeline_flow(pipeline).with_options(flow_run_name=f"trial-{number}")(config)
-    finally:
-        with _threads_lock:
-            _threads.pop(key, None)
-
-
-def interrupt_trial(key: str, exc_type: type[BaseException]) -> bool:
-    """Raise `exc_type` in the thread running trial `key`; False when it is not running.
-
-    The exception lands at the thread's next Python instruction: while training, that is the
-    launcher's watch loop, which then stops the ranks gracefully (checkpoint, then exit).
-    """
-    with _threads_lock:
-        ident = _threads.get(key)
-        if ident is None:
-            return False
-        done = ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(ident), ctypes.py_object(exc_type)
-        )
-    return bool(done == 1)
+    return pipeline_flow(pipeline).with_options(flow_run_name=f"trial-{number}")(config)
 
 
 @task(name="publish-trials", cache_policy=NO_CACHE)

@@ -1,11 +1,14 @@
 """Run a workload with a technique: check it fits, then launch it on every rank."""
 
+from pathlib import Path
+
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
 from trainflow.errors import is_transient
+from trainflow.paths import STOP_FILE
 from trainflow.prefect_adapter import launch_logged
 from trainflow.strategies import TechniqueConfig
 from trainflow.strategies.job import (
@@ -32,7 +35,9 @@ def _train_with_technique(
     workload: Workload, technique: TechniqueConfig, resources: Resources
 ) -> TrainResult:
     check_before_launch(workload, technique, resources)
-    options = resources.launch_options()
+    # Creating this file stops the training as a preemption would, with no retry (a sweep's
+    # pruner does; so can a person).
+    options = resources.launch_options(stop_file=str(Path(workload.output_dir) / STOP_FILE))
     return launch_logged(run_on_rank, (workload, technique), {}, options).values[0]
 
 

@@ -99,6 +99,15 @@ class HangError(LaunchError):
         self.last_steps = dict(last_steps or {})
 
 
+class StopRequested(LaunchError):
+    """The launch was asked to stop from outside its process: its stop file appeared.
+
+    The ranks were stopped as on a preemption (a final checkpoint at the step they reached),
+    but nobody wants the run continued by a retry: not transient. A sweep's pruner stops a
+    trial this way; so can a person (`touch` the file named in `LaunchOptions.stop_file`).
+    """
+
+
 class Preempted(RuntimeError):
     """A rank stopped on request (SIGTERM: a preemption, Ctrl-C or a cancel upstream).
 
@@ -156,6 +165,8 @@ def is_transient(exc: BaseException) -> bool:
     raised by the function itself, a bad configuration, resources that are not there, a
     function or argument that cannot be sent.
     """
+    if isinstance(exc, StopRequested):
+        return False
     if isinstance(exc, (LaunchTimeoutError, HangError, Preempted)):
         return True
     if isinstance(exc, RankError):

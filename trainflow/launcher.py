@@ -60,6 +60,7 @@ from trainflow.errors import (
     PayloadError,
     Preempted,
     RankError,
+    StopRequested,
     is_collective_failure,
 )
 from trainflow.paths import trainflow_home
@@ -117,6 +118,7 @@ class LaunchOptions:
     collective_timeout: float = 600.0
     hang_timeout: float | None = None
     stop_grace: float = 30.0
+    stop_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.timeout is not None:
@@ -714,6 +716,13 @@ class _Launch:
                     return self._timeout_error(rd, res)
                 if watchdog is not None and failed_at is None and watch and watchdog.stalled(now):
                     return self._hang_error(rd, pgid, watchdog)
+                if opts.stop_file and watch and os.path.exists(opts.stop_file):
+                    self._stop_gracefully(pgid, rd)
+                    return StopRequested(
+                        f"stopped on request ({opts.stop_file} appeared); the ranks "
+                        f"checkpointed at the step they reached. Rank logs: {rd.logs}",
+                        log_dir=str(rd.logs),
+                    )
                 time.sleep(0.05)
             return None
         finally:
@@ -1046,6 +1055,7 @@ def distributed(
     collective_timeout: float = 600.0,
     hang_timeout: float | None = None,
     stop_grace: float = 30.0,
+    stop_file: str | None = None,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Decorate a function so `fn.distributed(...)` runs it on `gpus` ranks.
 
@@ -1072,6 +1082,9 @@ def distributed(
         stop_grace: Seconds the ranks get to write a final checkpoint when the caller is
             interrupted (Ctrl-C, a cancel) before they are killed; a second Ctrl-C kills at
             once. Also the agent's own grace when it is sent SIGTERM from outside.
+        stop_file: A path another process may create to stop the launch as a preemption
+            would (a final checkpoint, then the ranks end, within `stop_grace`); the call then
+            raises `StopRequested`, which is not retried.
     """
     options = LaunchOptions(
         gpus=gpus,
@@ -1084,6 +1097,7 @@ def distributed(
         collective_timeout=collective_timeout,
         hang_timeout=hang_timeout,
         stop_grace=stop_grace,
+        stop_file=stop_file,
     )
     # Counts that can never work fail at decoration time; GPU presence is checked at launch.
     resolve_resources(options.gpus, "cpu", options.nnodes)

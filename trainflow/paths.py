@@ -37,6 +37,8 @@ def safe_name(value: str, what: str = "name") -> str:
 
 
 RUN_CONFIG_FILE = "config.json"
+# In a run's output folder: its appearance stops the training (checkpoint first), not retried.
+STOP_FILE = "STOP"
 
 
 def run_output_dir(pipeline: str, run_id: str) -> Path:

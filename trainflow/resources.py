@@ -132,8 +132,8 @@ class Resources(BaseModel):
         """Only the placement fields (of a pipeline config that inherits them)."""
         return Resources.model_validate(self.model_dump(include=set(Resources.model_fields)))
 
-    def launch_options(self) -> "LaunchOptions":
-        """The launcher's options for these resources."""
+    def launch_options(self, stop_file: str | None = None) -> "LaunchOptions":
+        """The launcher's options for these resources (`stop_file`: see `LaunchOptions`)."""
         from trainflow.launcher import LaunchOptions
 
         return LaunchOptions(
@@ -145,6 +145,7 @@ class Resources(BaseModel):
             collective_timeout=self.collective_timeout_s,
             hang_timeout=self.hang_timeout_s,
             stop_grace=self.stop_grace_s,
+            stop_file=stop_file,
         )
 
 

@@ -189,7 +189,7 @@ PARENT_RUN_TAG = "mlflow.parentRunId"
 # Exceptions that mean "stopped from outside", matched by class name so this module needs
 # neither Prefect (`TerminationSignal`: SIGTERM under a flow run) nor the callers' own types
 # (`Preempted`; `Terminated`: SIGTERM outside a flow run, raised by the command line).
-_STOP_NAMES = frozenset({"TerminationSignal", "Preempted", "Terminated"})
+_STOP_NAMES = frozenset({"TerminationSignal", "Preempted", "Terminated", "StopRequested"})
 
 _last_run_id: str | None = None
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 from trainflow import RankError, distributed, runtime
-from trainflow.errors import Preempted, is_transient
+from trainflow.errors import Preempted, StopRequested, is_transient
 
 CALLER = textwrap.dedent(
     """
@@ -222,3 +222,30 @@ def test_survivors_of_a_failed_attempt_are_stopped_at_once_for_the_restart():
     assert first_attempt_fails_while_rank_0_sleeps.distributed() == [1, 1]
     elapsed = time.monotonic() - start
     assert elapsed < 25, f"took {elapsed:.0f}s"
+
+
+def test_stop_file_stops_the_launch_as_a_preemption_that_is_not_retried(tmp_path):
+    """Another process creates the launch's stop file (a sweep's pruner, a person): every rank
+    stops at the same step, and the launch raises `StopRequested`, which is not transient."""
+    stop_file = tmp_path / "STOP"
+    launch = distributed(
+        gpus=2, gpu_type="cpu", timeout=120, init_process_group=True, stop_file=str(stop_file)
+    )(train_until_preempted.fn)
+
+    def request() -> None:
+        _wait_for(lambda: _steps_reached(tmp_path, 3), 90, "ranks did not start")
+        stop_file.touch()
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(StopRequested) as info:
+        launch.distributed(str(tmp_path))
+    elapsed = time.monotonic() - start
+    thread.join(timeout=5)
+    assert not is_transient(info.value) and str(stop_file) in str(info.value)
+    stopped = {p.name: p.read_text().split() for p in tmp_path.glob("stopped_*")}
+    assert set(stopped) == {"stopped_0", "stopped_1"}
+    assert stopped["stopped_0"][0] == stopped["stopped_1"][0]  # the same step
+    assert elapsed < 60
+    _assert_no_survivors(_pids(tmp_path))
