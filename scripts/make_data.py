@@ -21,7 +21,7 @@ from trainflow.data.synthetic import (
 from trainflow.data.tokenizer import train_tokenizer
 
 NUM_INSTRUCTIONS = 3000
-NUM_INTERACTIONS = 6000
+NUM_INTERACTIONS = 20000
 VOCAB_SIZE = 280  # bytes + specials + a few merges: keeps letters and digits single tokens
 
 

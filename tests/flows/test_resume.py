@@ -200,3 +200,59 @@ def test_a_retry_of_the_flow_run_continues_the_same_mlflow_run(prefect_api):
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["trainflow.resumed"] == "1"
     assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_two_tower_sigterm_checkpoints_the_step_reached_and_resume_trains_only_the_rest(
+    prefect_api,
+):
+    """The Lightning Trainer on our ranks: the stop checkpoint holds the loop and the loader's
+    position, so the resumed run trains the steps after it, each once, and no step before."""
+    name = "two-tower-resume"
+    args = [
+        *("--training-num-epochs", "3", "--checkpoint-every", "100000"),
+        *("--training-log-samples", "--registered-model-name", name),
+    ]
+    first = _start("two_tower", *args)
+    run_dir = _run_dir("two_tower", first)
+    run_id = run_dir.name
+    try:
+        _wait_for_step(run_dir, 30, first)
+        os.killpg(first.pid, signal.SIGTERM)
+        out, _ = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode != 0
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert client.search_model_versions(f"name='{name}'") == []
+    latest = checkpoint.latest_checkpoint(run_dir / "checkpoints")
+    assert latest is not None, out[-5000:]
+    stopped_at = checkpoint.read_meta(latest)["step"]
+    progress = json.loads((run_dir / "progress.json").read_text())
+    assert 30 <= stopped_at < progress["max_steps"], out[-5000:]
+    assert f"stop requested: stopped after step {stopped_at}; checkpoint {latest}" in out
+    assert not list((run_dir / "checkpoints").glob(".*partial"))
+
+    resumed_from_ms = time.time() * 1000
+    out = _run("two_tower", "--resume", run_id)
+    assert f"resuming from {latest} at step {stopped_at}" in out
+    assert "cache hit" in out
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    # Each rank trained every step after the checkpoint once, and none before it: Lightning
+    # restored the step and the loader's place in the epoch, not only the weights.
+    samples = sorted((run_dir / "samples").glob("rank_*.jsonl"))
+    assert len(samples) == 2
+    for path in samples:
+        steps = [json.loads(line)["step"] for line in path.open()]
+        assert steps == list(range(stopped_at, progress["max_steps"])), path.name
+    history = client.get_metric_history(run_id, "train_loss")
+    assert min(m.step for m in history if m.timestamp >= resumed_from_ms) >= stopped_at
+    logged = _logged_steps(client, run_id, "train_loss")
+    gaps = [b - a for a, b in zip(logged, logged[1:], strict=False)]
+    assert logged[0] < 10 and logged[-1] >= progress["max_steps"] - 10 and max(gaps) <= 10
+    [version] = client.search_model_versions(f"name='{name}'")
+    assert version.run_id == run_id
+    assert client.get_model_version_by_alias(name, "champion").version == version.version

@@ -20,7 +20,7 @@ def test_pipeline_trains_on_two_lightning_ranks_and_registers_a_recommender(pref
     name = "two-tower-e2e"
     result = pipeline.main(["--registered-model-name", name, "--training-log-samples"])
     m = result.metrics
-    assert m["eval_auroc"] >= m["untrained_auroc"] + 0.1, m
+    assert m["eval_auroc"] >= m["untrained_auroc"] + 0.2, m
     assert m["eval_recall_at_10"] > m["untrained_recall_at_10"], m
     assert (result.model_version, result.champion, result.alias) == ("1", True, "champion")
 
@@ -39,7 +39,7 @@ def test_pipeline_trains_on_two_lightning_ranks_and_registers_a_recommender(pref
     assert first_epoch[0] and first_epoch[1] and not first_epoch[0] & first_epoch[1]
     # Trained only on the past: every training row precedes the held-out ones (split by time).
     trained_ids = {i for lines in ranks.values() for step in lines for i in step["ids"]}
-    assert max(trained_ids) < 6000 - 600 - 540
+    assert max(trained_ids) < 20000 - 2000 - 1800
 
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     run = client.get_run(result.mlflow_run_id)
@@ -66,7 +66,7 @@ def test_pipeline_trains_on_two_lightning_ranks_and_registers_a_recommender(pref
     ("args", "field"),
     [
         (["--data-user-column", "usr"], "data.user_column='usr'"),
-        (["--data-test-fraction", "0.0001"], "data.test_fraction=0.0001"),
+        (["--data-test-fraction", "0.00001"], "data.test_fraction=1e-05"),
         (["--towers-num-items", "50"], "towers.num_items=50"),
         (["--data-time-column", "when"], "data.time_column='when'"),
     ],

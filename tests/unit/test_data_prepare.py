@@ -68,7 +68,7 @@ def test_interactions_preset_becomes_typed_columns_equal_to_the_csv(tmp_path):
     with open(config.source.files["train"][0]) as f:
         rows = {int(r["id"]): r for r in csv.DictReader(f)}
 
-    counts = {"train": 4860, "validation": 540, "test": 600}
+    counts = {"train": 16200, "validation": 1800, "test": 2000}
     assert {s: i.num_samples for s, i in result.splits.items()} == counts
     ids = {split: sorted(int(s["id"]) for s in _read_split(result.uri, split)) for split in counts}
     assert sorted(ids["train"] + ids["validation"] + ids["test"]) == sorted(rows)

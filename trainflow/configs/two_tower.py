@@ -110,7 +110,7 @@ class TrainingSettings(_Model):
         ge=0,
         description="Random items drawn per clicked interaction as extra negatives (label 0).",
     )
-    num_epochs: int = Field(default=20, ge=1, description="Passes over the training split.")
+    num_epochs: int = Field(default=10, ge=1, description="Passes over the training split.")
     max_steps: int | None = Field(
         default=None, ge=1, description="Stop after this many steps (sooner than num_epochs)."
     )
@@ -132,7 +132,7 @@ class EvaluationSettings(_Model):
 
     top_k: int = Field(default=10, ge=1, description="k of recall@k (items ranked per user).")
     min_auroc: float = Field(
-        default=0.6,
+        default=0.7,
         ge=0,
         le=1,
         description="Gate: the champion alias goes only to a model whose test AUROC reaches this.",

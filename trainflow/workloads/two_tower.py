@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.functional.classification import binary_auroc
 
@@ -202,6 +203,20 @@ class _RunLogger(MLFlowLogger):
         """Leave the run open: evaluation and registration still log to it."""
 
 
+class _LauncherOwnsSigterm(_SignalConnector):
+    """Leaves SIGTERM to the handler the launcher gave the rank (`runtime.request_stop`).
+
+    Lightning's own SIGTERM handler broadcasts from inside the signal handler, in the middle of
+    whatever collective the rank was running (a DDP all-reduce or buffer broadcast): gloo then
+    aborts the rank ("Received data size doesn't match expected size") before any checkpoint
+    is written. The launcher's handler only sets a flag, and `Durability` turns it into a
+    checkpoint and a stop at a step every rank agrees on.
+    """
+
+    def register_signal_handlers(self) -> None:
+        self.received_sigterm = False
+
+
 class Durability(Callback):
     """Checkpoints a resume can trust, a stop that leaves one behind, heartbeats and progress.
 
@@ -332,6 +347,9 @@ def train(
         enable_model_summary=False,
         default_root_dir=out,
     )
+    # Lightning has no option to leave SIGTERM alone; its (private) connector is swapped, and
+    # the stop/resume test in tests/flows/test_resume.py fails if an upgrade breaks this.
+    trainer._signal_connector = _LauncherOwnsSigterm(trainer)
     module = TwoTowerModule(job, strategy)
     resume = checkpoint.resolve(resume_from)
     if resume is not None:
@@ -339,9 +357,11 @@ def train(
     ckpt = str(resume / LIGHTNING_CHECKPOINT) if resume is not None else None
     trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt)
     if durable.stopped_at is not None:
+        saved = f"checkpoint {checkpoint.latest_checkpoint(out / 'checkpoints')}"
+        runtime.print0(f"stop requested: stopped after step {durable.stopped_at}; {saved}")
         raise Preempted(
             f"rank {runtime.get_global_rank()} stopped on request after step "
-            f"{durable.stopped_at} (checkpoint {checkpoint.latest_checkpoint(out / 'checkpoints')})"
+            f"{durable.stopped_at} ({saved})"
         )
     seen = dict(module.seen)
     metrics = {"train_loss": float(trainer.callback_metrics["train_loss"])}
