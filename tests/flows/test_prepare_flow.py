@@ -72,7 +72,7 @@ def test_bad_input_fails_the_flow_once_naming_the_column(prefect_api, tmp_path):
     )
     state = prepare(config, return_state=True)
     assert state.is_failed()
-    with pytest.raises(DataError, match="column 'price' missing from split 'train'"):
+    with pytest.raises(DataError, match="split 'train' has no column 'price'"):
         state.result()
     flow_run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:

@@ -72,7 +72,7 @@ def test_pipeline_registers_the_model_whichever_technique(prefect_api, technique
     [
         (
             ["--technique", '{"name": "deepspeed", "zero_stage": 4}'],
-            "--technique-deepspeed-zero-stage",
+            "--technique: deepspeed.zero_stage",
         ),
         (["--technique", "fsdp", "--gpus", "3"], "global_batch_size"),
         (["--technique", '{"name": "fsdp", "replicate_degree": 3}'], "replicate_degree"),

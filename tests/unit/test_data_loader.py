@@ -1,15 +1,11 @@
 """build_dataloader in one process: order, resume guards, stale shared memory, bad shards, S3."""
 
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, wait_until_serving
 from tests.unit.conftest_data import batch_ids, run_python, tabular_config
 from trainflow.data import DataError, LoaderConfig, build_dataloader, prepare_dataset
 from trainflow.data.paths import stream_cache_dir
@@ -113,35 +109,6 @@ def test_run_after_a_crashed_run_with_stale_shared_memory_starts_cleanly(clicks)
     # The stale file is gone (the new run may have registered a fresh one under the same name).
     assert not stale[0].exists() or stale[0].stat().st_ino != stale_inode
     assert sorted(_flat(batch_ids(loader))) == list(range(200))
-
-
-@pytest.fixture
-def s3_server(monkeypatch, tmp_path):
-    """A real S3-compatible server (moto) on loopback, with a bucket 'datasets'."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    wait_until_serving(endpoint, proc, 60, "moto server")
-    for key, value in {
-        "S3_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(key, value)
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="datasets")
-    try:
-        yield endpoint
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
 
 
 def test_s3_output_is_uploaded_cached_and_streamed_back(tmp_path, s3_server):

@@ -71,3 +71,21 @@ def test_a_damaged_published_shard_fails_naming_it(tmp_path, monkeypatch):
     _flip(shard, shard.stat().st_size // 2)
     with pytest.raises(DataError, match=shard.name):
         _read_all(result.uri)
+
+
+def test_bytes_flipped_in_the_cached_copy_of_an_s3_dataset_are_fetched_again(
+    tmp_path, monkeypatch, s3_server
+):
+    """The same check for a dataset published to a bucket (a real S3 API, moto, on loopback):
+    the damaged cached copy is fetched again from the bucket, never read."""
+    monkeypatch.setenv("TRAINFLOW_HOME", str(tmp_path / "home"))
+    result = prepare_dataset(
+        chat_config(tmp_path, num_rows=96, output_root="s3://datasets/prepared")
+    )
+    reference = _read_all(result.uri)
+    cached = stream_cache_dir(result.uri) / "train"
+    shard = sorted(cached.glob("shard.*.mds"))[0]
+    offsets = sorted(random.Random(1).sample(range(shard.stat().st_size), 6))
+    for offset in offsets:
+        _flip(shard, offset)
+        assert _read_all(result.uri) == reference, f"offset {offset}"
