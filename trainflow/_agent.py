@@ -5,6 +5,8 @@ agent, its workers and anything they start form one process group the caller can
 and the caller's process keeps no elastic signal handlers or multiprocessing helpers behind.
 """
 
+import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -13,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
@@ -22,11 +25,43 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainflow import _worker
 from trainflow.run_dir import RunDir
 
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def _adopt_orphans() -> None:
+    """Become the subreaper of everything the ranks start (Linux).
+
+    A process a rank starts in its own session (a compiler a build tool spawns, a
+    `Popen(..., start_new_session=True)`) is out of reach of a group kill, and when its parent
+    exits it would be re-parented to init and outlive the launch. As subreaper, this agent
+    adopts it instead, and `_stop_descendants` finds it.
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _stop_descendants(grace_s: float = 3.0) -> None:
+    """Stop and reap every process left under this agent: ranks' children and adopted orphans.
+
+    SIGTERM first, and `grace_s` for what is ending anyway (a multiprocessing resource
+    tracker still unlinking the shared memory its rank left), then SIGKILL.
+    """
+    left = psutil.Process().children(recursive=True)
+    for proc in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """If the caller dies without stopping us (SIGKILL, OOM), take the whole group down."""
+    """If the caller dies without stopping us (SIGKILL, OOM), take everything down."""
     while True:
         if os.getppid() != parent_pid:
+            _stop_descendants(grace_s=0.5)
             os.killpg(os.getpgrp(), signal.SIGKILL)
         time.sleep(0.5)
 
@@ -46,6 +81,7 @@ def _kill_workers(agent: LocalElasticAgent, worker_group: WorkerGroup) -> None:
 def main(run_dir: str) -> int:
     rd = RunDir(Path(run_dir))
     spec = rd.read_spec()
+    _adopt_orphans()
     threading.Thread(target=_exit_with_parent, args=(spec["caller_pid"],), daemon=True).start()
     LocalElasticAgent._stop_workers = _kill_workers  # type: ignore[method-assign]
     # torch's process starter gives each rank a `pytorch-errorfile-*.pickle` in the temp folder
@@ -77,6 +113,8 @@ def main(run_dir: str) -> int:
         # Stopped from outside (the caller's Ctrl-C, a node shutdown): the agent has already
         # given the workers `shutdown_timeout` to finish; exit as the signal would.
         return 128 + int(exc.sigval)
+    finally:
+        _stop_descendants()  # whatever the ranks started, in any session, ends with them
     return 0
 
 

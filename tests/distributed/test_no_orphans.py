@@ -76,3 +76,28 @@ def test_stopping_the_caller_stops_every_rank(tmp_path, sig):
     assert survivors == []
     if sig == signal.SIGINT:
         assert b"KeyboardInterrupt" in caller.stderr.read()
+
+
+@pytest.mark.parametrize("ending", ["return", "raise"])
+def test_a_process_a_rank_starts_in_its_own_session_ends_with_the_launch(tmp_path, ending):
+    """What a build tool does with a compiler, or a user with `start_new_session=True`: out of
+    reach of a group kill, and it would be re-parented to init. The agent adopts it
+    (subreaper) and stops it when the launch ends, however the function ended."""
+    from trainflow import RankError, distributed, runtime
+
+    @distributed(gpus=2, gpu_type="cpu", timeout=120)
+    def start_a_daemon(folder: str, ending: str) -> int:
+        child = subprocess.Popen(["sleep", "120"], start_new_session=True)
+        Path(folder, f"grandchild_{runtime.get_global_rank()}").write_text(str(child.pid))
+        if ending == "raise":
+            raise ValueError("the function failed after starting a process")
+        return child.pid
+
+    if ending == "return":
+        start_a_daemon.distributed(str(tmp_path), ending)
+    else:
+        with pytest.raises(RankError, match="the function failed"):
+            start_a_daemon.distributed(str(tmp_path), ending)
+    pids = [int(p.read_text()) for p in tmp_path.glob("grandchild_*")]
+    assert pids, "the ranks did not start their processes"
+    assert _wait_gone(pids, 10) == [], "a process a rank started outlived the launch"
