@@ -44,13 +44,16 @@ def _stop_descendants(grace_s: float = 3.0) -> None:
     """Stop and reap every process left under this agent: ranks' children and adopted orphans.
 
     SIGTERM first, and `grace_s` for what is ending anyway (a multiprocessing resource
-    tracker still unlinking the shared memory its rank left), then SIGKILL.
+    tracker still unlinking the shared memory its rank left), then SIGKILL; with no grace,
+    SIGKILL at once (a SIGTERM would ask the ranks for a final checkpoint).
     """
     left = psutil.Process().children(recursive=True)
-    for proc in left:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.terminate()
-    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    alive = left
+    if grace_s > 0:
+        for proc in left:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        _, alive = psutil.wait_procs(left, timeout=grace_s)
     for proc in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
@@ -61,7 +64,7 @@ def _exit_with_parent(parent_pid: int) -> None:
     """If the caller dies without stopping us (SIGKILL, OOM), take everything down."""
     while True:
         if os.getppid() != parent_pid:
-            _stop_descendants(grace_s=0.5)
+            _stop_descendants(grace_s=0)  # as if the machine were lost: no final checkpoint
             os.killpg(os.getpgrp(), signal.SIGKILL)
         time.sleep(0.5)
 
