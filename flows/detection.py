@@ -14,18 +14,15 @@ SQLite MLflow store `mlflow.db`)::
 Deploy: `prefect --no-prompt deploy --name detection/cpu-local` (see prefect.yaml).
 """
 
-import base64
 import functools
-import io
 import sys
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
-from pydantic import Field
 
 from flows.skeleton import (
-    PipelineResult,
+    DatasetResult,
     TrackedRun,
     evaluate,
     finish,
@@ -35,6 +32,7 @@ from flows.skeleton import (
     train,
 )
 from tasks.data import prepare_dataset
+from tasks.reporting import figure_markdown
 from trainflow import tracking
 from trainflow.cli import run_pipeline
 from trainflow.configs.detection import (
@@ -50,12 +48,6 @@ DETECTION = WORKLOADS["detection"]
 PLOT_FILE = "predictions.png"
 
 
-class DetectionResult(PipelineResult):
-    """What a pipeline run produced, and the dataset the model was trained on."""
-
-    dataset_uri: str = Field(description="Prepared dataset the model was trained on.")
-
-
 @task(name="generate-shapes", cache_policy=NO_CACHE)
 def generate_shapes(data: ShapesData) -> dict[str, str]:
     """Draw the dataset's images once per spec; returns split -> Parquet file."""
@@ -69,21 +61,18 @@ def publish_predictions(run: TrackedRun, evaluation: Evaluation) -> str:
     """Plot the trained model's boxes on held-out images, in MLflow and as a Prefect artifact."""
     figure = run.workload.load().predictions_figure(run.job, evaluation.model)
     tracking.log_figure(run.run_id, figure, PLOT_FILE)
-    png = io.BytesIO()
-    figure.savefig(png, format="png")
-    encoded = base64.b64encode(png.getvalue()).decode()
     return str(
         create_markdown_artifact(
             key=f"{run.name}-predictions",
             markdown=f"# {run.name}: held-out predictions\n\n"
-            f"![predictions](data:image/png;base64,{encoded})\n",
+            f"{figure_markdown(figure, 'predictions')}\n",
             description="Predicted boxes on held-out images",
         )
     )
 
 
 @flow(name="detection", log_prints=True)
-def detection(config: DetectionConfig = load_detection_preset("debug_cpu")) -> DetectionResult:
+def detection(config: DetectionConfig = load_detection_preset("debug_cpu")) -> DatasetResult:
     """Train RetinaNet with DDP on generated shapes, compare held-out mAP with the untrained
     model's, plot its boxes, register it if it passes the gate."""
     preflight(DETECTION, config)  # before the images are drawn and prepared
@@ -96,7 +85,7 @@ def detection(config: DetectionConfig = load_detection_preset("debug_cpu")) -> D
         publish_predictions(run, evaluation)
         registration = register(run, config, evaluation, trained)
     return finish(
-        run, config, trained, evaluation, registration, DetectionResult, dataset_uri=data.uri
+        run, config, trained, evaluation, registration, DatasetResult, dataset_uri=data.uri
     )
 
 
@@ -109,7 +98,7 @@ PRESETS = {
 }
 
 
-def main(argv: list[str] | None = None) -> DetectionResult:
+def main(argv: list[str] | None = None) -> DatasetResult:
     from flows.local_server import local_prefect_server
 
     return run_pipeline(  # type: ignore[no-any-return]

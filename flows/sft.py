@@ -18,10 +18,9 @@ import functools
 import sys
 
 from prefect import flow
-from pydantic import Field
 
 from flows.skeleton import (
-    PipelineResult,
+    DatasetResult,
     evaluate,
     finish,
     preflight,
@@ -37,14 +36,8 @@ from trainflow.workloads import WORKLOADS
 SFT = WORKLOADS["sft"]
 
 
-class SFTResult(PipelineResult):
-    """What a pipeline run produced, and the dataset the model was trained on."""
-
-    dataset_uri: str = Field(description="Prepared dataset the model was trained on.")
-
-
 @flow(name="sft", log_prints=True)
-def sft(config: SFTConfig = load_sft_preset("debug_cpu")) -> SFTResult:
+def sft(config: SFTConfig = load_sft_preset("debug_cpu")) -> DatasetResult:
     """Fine-tune a causal LM: prepare -> train -> evaluate -> register (alias past the gate)."""
     preflight(SFT, config)  # before the data is prepared, which can take long
     data = prepare_dataset(config.data_config())
@@ -59,7 +52,9 @@ def sft(config: SFTConfig = load_sft_preset("debug_cpu")) -> SFTResult:
         trained = train(run, config)
         evaluation = evaluate(run, trained)
         registration = register(run, config, evaluation, trained)
-    return finish(run, config, trained, evaluation, registration, SFTResult, dataset_uri=data.uri)
+    return finish(
+        run, config, trained, evaluation, registration, DatasetResult, dataset_uri=data.uri
+    )
 
 
 SUMMARY_METRICS = [
@@ -77,7 +72,7 @@ def parse_args(argv: list[str] | None) -> SFTConfig:
     return pipeline_config(sft, load_sft_preset("debug_cpu"), argv, __doc__, PRESETS)
 
 
-def main(argv: list[str] | None = None) -> SFTResult:
+def main(argv: list[str] | None = None) -> DatasetResult:
     from flows.local_server import local_prefect_server
 
     return run_pipeline(  # type: ignore[no-any-return]

@@ -10,10 +10,8 @@ A failed, timed-out or cancelled step leaves the MLflow run FAILED or KILLED and
 nothing (`trainflow.tracking.pipeline_run`).
 """
 
-import base64
 import contextlib
 import contextvars
-import io
 import json
 import re
 import threading
@@ -34,7 +32,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from flows.techniques import techniques
-from tasks.reporting import publish_summary
+from tasks.reporting import figure_markdown, publish_summary
 from trainflow import checkpoint, tracking
 from trainflow.gate import gate_failures
 from trainflow.paths import RUN_CONFIG_FILE, STOP_FILE, read_run_config, run_output_dir
@@ -59,6 +57,12 @@ class PipelineResult(BaseModel):
     checkpoint_uri: str | None = Field(description="Last training checkpoint, if any.")
     metrics: dict[str, float] = Field(description="Training and held-out metrics.")
     tracking_uri: str = Field(description="MLflow store the run was logged to.")
+
+
+class DatasetResult(PipelineResult):
+    """What a pipeline that prepares its data produced, and the dataset it trained on."""
+
+    dataset_uri: str = Field(description="Prepared dataset the model was trained on.")
 
 
 @dataclass(frozen=True)
@@ -344,13 +348,10 @@ def publish_loss_curve(name: str, run_id: str, history: dict[int, dict[str, floa
 
     figure = loss_curve(history, f"{name}: training loss")
     tracking.log_figure(run_id, figure, "loss_curve.png")
-    png = io.BytesIO()
-    figure.savefig(png, format="png")
-    encoded = base64.b64encode(png.getvalue()).decode()
     return str(
         create_markdown_artifact(
             key=f"{name}-loss-curve",
-            markdown=f"# {name} training loss\n\n![loss curve](data:image/png;base64,{encoded})\n",
+            markdown=f"# {name} training loss\n\n{figure_markdown(figure, 'loss curve')}\n",
             description="Training loss by step",
         )
     )

@@ -15,10 +15,9 @@ import functools
 import sys
 
 from prefect import flow
-from pydantic import Field
 
 from flows.skeleton import (
-    PipelineResult,
+    DatasetResult,
     evaluate,
     finish,
     preflight,
@@ -39,14 +38,8 @@ from trainflow.workloads import WORKLOADS
 TWO_TOWER = WORKLOADS["two_tower"]
 
 
-class TwoTowerResult(PipelineResult):
-    """What a pipeline run produced, and the dataset the model was trained on."""
-
-    dataset_uri: str = Field(description="Prepared dataset the model was trained on.")
-
-
 @flow(name="two_tower", log_prints=True)
-def two_tower(config: TwoTowerConfig = load_two_tower_preset("debug_cpu")) -> TwoTowerResult:
+def two_tower(config: TwoTowerConfig = load_two_tower_preset("debug_cpu")) -> DatasetResult:
     """Train a two-tower recommender: prepare -> train -> evaluate -> register (alias past
     the gate)."""
     preflight(TWO_TOWER, config)  # before the data is prepared
@@ -59,7 +52,7 @@ def two_tower(config: TwoTowerConfig = load_two_tower_preset("debug_cpu")) -> Tw
         evaluation = evaluate(run, trained)
         registration = register(run, config, evaluation, trained)
     return finish(
-        run, config, trained, evaluation, registration, TwoTowerResult, dataset_uri=data.uri
+        run, config, trained, evaluation, registration, DatasetResult, dataset_uri=data.uri
     )
 
 
@@ -72,7 +65,7 @@ PRESETS = {
 }
 
 
-def main(argv: list[str] | None = None) -> TwoTowerResult:
+def main(argv: list[str] | None = None) -> DatasetResult:
     from flows.local_server import local_prefect_server
 
     return run_pipeline(  # type: ignore[no-any-return]

@@ -1,5 +1,7 @@
 """Run summaries as Prefect artifacts: what a person opens the UI to see."""
 
+import base64
+import io
 from collections.abc import Mapping
 from typing import Any
 
@@ -8,6 +10,13 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from trainflow.tracking import flatten_params, tracking_uri
+
+
+def figure_markdown(figure: Any, alt: str) -> str:
+    """A matplotlib figure as an inline PNG image in markdown (artifacts hold no files)."""
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(png.getvalue()).decode()})"
 
 
 def _table(rows: Mapping[str, Any]) -> str:

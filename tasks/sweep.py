@@ -6,9 +6,7 @@ watches: the ranks checkpoint and end as on a preemption, and the pipeline ends 
 KILLED.
 """
 
-import base64
 import importlib
-import io
 from typing import Any
 
 from prefect import Flow, get_client, task
@@ -16,6 +14,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import ObjectAlreadyExists
 from pydantic import BaseModel
+
+from tasks.reporting import figure_markdown
 
 
 def pipeline_flow(pipeline: str) -> Flow[..., Any]:
@@ -42,8 +42,5 @@ def run_trial(pipeline: str, number: int, config: BaseModel) -> Any:
 @task(name="publish-trials", cache_policy=NO_CACHE)
 def publish_trials(key: str, title: str, table: str, figure: Any) -> str:
     """Show the trial table and the metric plot as one markdown artifact (same key: updated)."""
-    png = io.BytesIO()
-    figure.savefig(png, format="png")
-    encoded = base64.b64encode(png.getvalue()).decode()
-    markdown = f"# {title}\n\n{table}\n\n![metric by parameter](data:image/png;base64,{encoded})\n"
+    markdown = f"# {title}\n\n{table}\n\n{figure_markdown(figure, 'metric by parameter')}\n"
     return str(create_markdown_artifact(key=key, markdown=markdown, description=title))

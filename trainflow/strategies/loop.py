@@ -18,6 +18,7 @@ from torch import nn
 from trainflow import checkpoint, runtime
 from trainflow.errors import Preempted
 from trainflow.strategies.base import Strategy
+from trainflow.strategies.job import TrainResult
 from trainflow.tracking import MetricsSink, ProgressFile
 
 # A micro-batch: tensors, or lists, tuples and dicts of them (detection targets are a list of
@@ -186,3 +187,20 @@ def fit(
     sink.flush()
     progress.update(result.steps)
     return result
+
+
+def exported(strategy: Strategy, fitted: FitResult, output_dir: str | Path) -> TrainResult:
+    """Export the trained weights to `output_dir/model.pt` and describe what `fit` did: what
+    a workload trained by this loop returns from every rank."""
+    model_path = Path(output_dir).resolve() / "model.pt"
+    strategy.export(model_path)
+    return TrainResult(
+        technique=strategy.name,
+        world_size=runtime.get_world_size(),
+        wrapped_as=type(strategy.wrapped).__name__,
+        steps=fitted.steps,
+        metrics=fitted.last_metrics(),
+        history=fitted.history,
+        checkpoint_uri=checkpoint.uri(fitted.last_checkpoint),
+        model_uri=model_path.as_uri(),
+    )

@@ -24,7 +24,7 @@ from trainflow.data.shapes import decode_png, render
 from trainflow.models.detection import BoxPredictor, build_retinanet
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.job import TrainResult, local_path
-from trainflow.strategies.loop import Batch, Schedule, fit
+from trainflow.strategies.loop import Batch, Schedule, exported, fit
 from trainflow.tracking import PROGRESS_FILE, metrics_sink
 from trainflow.workloads import Evaluation
 
@@ -167,18 +167,7 @@ def train(
         start_step=start,
         progress_file=Path(output_dir) / PROGRESS_FILE,
     )
-    model_path = Path(output_dir).resolve() / "model.pt"
-    strategy.export(model_path)
-    return TrainResult(
-        technique=strategy.name,
-        world_size=world,
-        wrapped_as=type(strategy.wrapped).__name__,
-        steps=fitted.steps,
-        metrics=fitted.last_metrics(),
-        history=fitted.history,
-        checkpoint_uri=checkpoint.uri(fitted.last_checkpoint),
-        model_uri=model_path.as_uri(),
-    )
+    return exported(strategy, fitted, output_dir)
 
 
 def load_model(job: DetectionJob, model_path: str | Path) -> RetinaNet:

@@ -19,7 +19,7 @@ from trainflow.configs.mlp import MLPConfig
 from trainflow.models.mlp import SimpleMLP
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.job import TrainResult, local_path
-from trainflow.strategies.loop import Batch, SampleLog, Schedule, fit
+from trainflow.strategies.loop import Batch, SampleLog, Schedule, exported, fit
 from trainflow.tracking import PROGRESS_FILE, metrics_sink, register_pytorch_model
 from trainflow.workloads import Evaluation
 
@@ -138,18 +138,7 @@ def train(
         progress_file=Path(output_dir) / PROGRESS_FILE,
         sample_log=SampleLog(samples, lambda batch: batch[2].tolist()),
     )
-    model_path = Path(output_dir).resolve() / "model.pt"
-    strategy.export(model_path)
-    return TrainResult(
-        technique=strategy.name,
-        world_size=world,
-        wrapped_as=type(strategy.wrapped).__name__,
-        steps=fitted.steps,
-        metrics=fitted.last_metrics(),
-        history=fitted.history,
-        checkpoint_uri=checkpoint.uri(fitted.last_checkpoint),
-        model_uri=model_path.as_uri(),
-    )
+    return exported(strategy, fitted, output_dir)
 
 
 def load_model(config: MLPConfig, model_path: str | Path) -> SimpleMLP:
