@@ -29,6 +29,7 @@ from prefect.logging import get_logger
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
 STOP_WAIT_S = 10.0
+STARTUP_TIMEOUT_S = 90.0  # unless PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is set
 _START_ATTEMPTS = 3
 
 logger = get_logger()
@@ -78,6 +79,18 @@ def _start_guarded(port: int) -> subprocess.Popen:
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
+
+
+def _startup_timeout_s(settings: Any) -> float:
+    """Prefect's startup timeout when the user set one, else `STARTUP_TIMEOUT_S`.
+
+    Prefect's own default (20 s) is too short for a fresh database migrated on a busy 2-core
+    machine while the run's ranks or other runs start beside it.
+    """
+    ephemeral = settings.server.ephemeral
+    if "startup_timeout_seconds" in ephemeral.model_fields_set:
+        return float(ephemeral.startup_timeout_seconds)
+    return STARTUP_TIMEOUT_S
 
 
 def _wait_healthy(url: str, guard: subprocess.Popen, timeout_s: float) -> bool:
@@ -140,7 +153,7 @@ def local_prefect_server() -> Iterator[str | None]:
     if settings.api.url or not settings.server.ephemeral.enabled:
         yield settings.api.url
         return
-    timeout_s = float(settings.server.ephemeral.startup_timeout_seconds)
+    timeout_s = _startup_timeout_s(settings)
     guard: subprocess.Popen | None = None
     old_env = os.environ.get("PREFECT_API_URL")
     try:

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
         LaunchTimeoutError,
         PayloadError,
         RankError,
+        RemoteNotConfiguredError,
+        SingleProcessFrameworkError,
     )
     from trainflow.launcher import (
         DistributedFunction,
@@ -37,6 +39,8 @@ _EXPORTS = {
     "LaunchTimeoutError": "trainflow.errors",
     "PayloadError": "trainflow.errors",
     "RankError": "trainflow.errors",
+    "RemoteNotConfiguredError": "trainflow.errors",
+    "SingleProcessFrameworkError": "trainflow.errors",
     "ResourceError": "trainflow.resources",
     "Resources": "trainflow.resources",
     "distributed": "trainflow.launcher",
@@ -52,8 +56,10 @@ __all__ = [
     "LaunchTimeoutError",
     "PayloadError",
     "RankError",
+    "RemoteNotConfiguredError",
     "ResourceError",
     "Resources",
+    "SingleProcessFrameworkError",
     "distributed",
     "launch",
     "runtime",

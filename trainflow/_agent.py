@@ -60,10 +60,11 @@ def _stop_descendants(grace_s: float = 3.0) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def _exit_with_parent(parent_pid: int, rd: RunDir) -> None:
     """If the caller dies without stopping us (SIGKILL, OOM), take everything down."""
     while True:
         if os.getppid() != parent_pid:
+            rd.payload.unlink(missing_ok=True)  # the caller cannot remove it any more
             _stop_descendants(grace_s=0)  # as if the machine were lost: no final checkpoint
             os.killpg(os.getpgrp(), signal.SIGKILL)
         time.sleep(0.5)
@@ -85,7 +86,7 @@ def main(run_dir: str) -> int:
     rd = RunDir(Path(run_dir))
     spec = rd.read_spec()
     _adopt_orphans()
-    threading.Thread(target=_exit_with_parent, args=(spec["caller_pid"],), daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(spec["caller_pid"], rd), daemon=True).start()
     LocalElasticAgent._stop_workers = _kill_workers  # type: ignore[method-assign]
     # torch's process starter gives each rank a `pytorch-errorfile-*.pickle` in the temp folder
     # for its traceback and never removes it: keep those with this launch's logs. Ranks go back
@@ -118,6 +119,7 @@ def main(run_dir: str) -> int:
         return 128 + int(exc.sigval)
     finally:
         _stop_descendants()  # whatever the ranks started, in any session, ends with them
+        rd.payload.unlink(missing_ok=True)  # the function and its arguments: no longer needed
     return 0
 
 

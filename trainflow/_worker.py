@@ -4,21 +4,31 @@ Torch elastic spawns this module's `main` on every rank; it must stay importable
 caller's code, so everything user-specific arrives through the run directory.
 """
 
+import atexit
 import faulthandler
+import json
+import linecache
 import os
 import signal
 import sys
 import tempfile
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 import torch
 
-from trainflow import runtime
+from trainflow import _adapt, runtime
+from trainflow.errors import PayloadError
 from trainflow.run_dir import RunDir
+
+# The file name cloudpickle gives the code of functions it ships by value.
+_DYNAMIC_CODE = "<dynamic-code>"
+# How deep the parts of an unpicklable return value are searched.
+_RETURN_DEPTH = 5
 
 
 def _redirect_output(path: Path) -> None:
@@ -49,6 +59,112 @@ def _error_record(exc: BaseException, rank: int, where: str) -> dict[str, Any]:
         "time": time.time(),
         "exception": shipped,
     }
+
+
+def _restore_source(fn: object, code_files: list[list], sources: dict[str, list[str]]) -> None:
+    """Give the code the caller shipped by value its file name and source back.
+
+    cloudpickle ships functions from `__main__` or a notebook with their code only, named
+    "<dynamic-code>": tracebacks printed on the rank would show no file and no source line.
+    The caller sends where each function's code lives and those files' lines; they go into
+    `linecache` (a notebook cell exists nowhere else) and the code objects get their names.
+    """
+    for path, lines in sources.items():
+        linecache.cache[path] = (sum(map(len, lines)), None, lines, path)
+    where = {(name, first): path for name, first, path in code_files}
+
+    def fix(code: types.CodeType) -> types.CodeType:
+        consts = tuple(fix(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+        path = where.get((code.co_name, code.co_firstlineno))
+        if code.co_filename != _DYNAMIC_CODE or path is None:
+            return code.replace(co_consts=consts)
+        return code.replace(co_filename=path, co_consts=consts)
+
+    todo, seen = [fn], set()
+    while todo:
+        f = todo.pop()
+        if id(f) in seen or not isinstance(f, types.FunctionType):
+            continue
+        seen.add(id(f))
+        if f.__code__.co_filename == _DYNAMIC_CODE:
+            f.__code__ = fix(f.__code__)
+            todo.extend(f.__globals__.values())
+            todo.extend(c.cell_contents for c in f.__closure__ or () if _has_contents(c))
+
+
+def _read_sources(rd: RunDir) -> dict[str, list[str]]:
+    try:
+        return json.loads(rd.sources.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _has_contents(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _parts(value: object, path: str) -> list[tuple[str, object]]:
+    if isinstance(value, dict):
+        return [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict) and not isinstance(value, (type, types.ModuleType)):
+        return [(f"{path}.{k}", v) for k, v in attributes.items()]
+    return []
+
+
+def _unpicklable(value: object, path: str, depth: int = 0) -> tuple[str, object, Exception]:
+    """The innermost part of `value` (as an expression) that does not pickle, and why."""
+    try:
+        cloudpickle.dumps(value)
+    except Exception as exc:
+        if depth < _RETURN_DEPTH:
+            for part_path, part in _parts(value, path):
+                try:
+                    cloudpickle.dumps(part)
+                except Exception:
+                    return _unpicklable(part, part_path, depth + 1)
+        return path, value, exc
+    raise ValueError(f"{path} pickles")  # only called for a value that did not
+
+
+def _tensors(value: object, path: str, found: dict[str, object], depth: int = 0) -> None:
+    """Every tensor in `value` and every module's state dict, by where they are."""
+    if isinstance(value, torch.Tensor):
+        found[path] = value.detach().cpu()
+    elif isinstance(value, torch.nn.Module):
+        found[f"{path}.state_dict()"] = {k: v.detach().cpu() for k, v in value.state_dict().items()}
+    elif depth < _RETURN_DEPTH:
+        for part_path, part in _parts(value, path):
+            _tensors(part, part_path, found, depth + 1)
+
+
+def _send_result(rd: RunDir, rank: int, value: object) -> None:
+    """Pickle the return value now, before teardown; if it cannot travel, keep its tensors."""
+    try:
+        data = cloudpickle.dumps(value)
+    except Exception:
+        path, part, exc = _unpicklable(value, "result")
+        kept: dict[str, object] = {}
+        _tensors(value, "result", kept)
+        message = (
+            f"the return value of rank {rank} cannot be sent back: {path} "
+            f"({type(part).__qualname__}) cannot be pickled ({exc})."
+        )
+        if kept:
+            target = rd.path / "kept" / f"rank_{rank}.pt"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(kept, target)
+            message += f" Its tensors were kept in {target} (torch.load): " + ", ".join(kept)
+        raise PayloadError(
+            message + ". Return plain values, tensors or state dicts instead."
+        ) from None
+    rd.write_result(rank, data)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -91,16 +207,24 @@ def main(run_dir: str) -> None:
         print(f"--- restart attempt {attempt} ---", flush=True)
 
     spec = rd.read_spec()
+    forked = spec["start_method"] == "fork"
+    if forked:
+        # A forked rank ends in `os._exit`, which skips exit handlers: run the rank's own at
+        # the end (streaming's unlinks its shared memory there; skipped, the resource tracker
+        # warns of leaked objects), never the agent's, inherited through the fork.
+        atexit._clear()
     os.environ[runtime.RUN_DIR_ENV] = str(rd.path)
     os.environ[runtime.COLLECTIVE_TIMEOUT_ENV] = str(spec["collective_timeout_s"])
     for entry in reversed(spec["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
+    _adapt.install(rd.path, rank, spec["device"])
 
     where = "loading the function and its arguments"
     created_group = False
     try:
         fn, args, kwargs = cloudpickle.loads(rd.payload.read_bytes())
+        _restore_source(fn, spec.get("code_files", []), _read_sources(rd))
         if spec["init_process_group"]:
             where = "initialising the process group"
             runtime.init_process_group()
@@ -108,7 +232,7 @@ def main(run_dir: str) -> None:
         where = "running the function"
         value = fn(*args, **kwargs)
         where = "sending the return value back"
-        rd.write_result(rank, cloudpickle.dumps(value))
+        _send_result(rd, rank, value)
         rd.clear_error(rank)  # an earlier attempt's failure, now superseded
     except BaseException as exc:
         rd.write_error(rank, cloudpickle.dumps(_error_record(exc, rank, where)))
@@ -116,5 +240,7 @@ def main(run_dir: str) -> None:
     finally:
         if created_group:
             runtime.destroy_process_group()
+        if forked:
+            atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -15,6 +15,15 @@ class FrameworkError(ValueError):
     """
 
 
+class SingleProcessFrameworkError(RuntimeError):
+    """A framework (accelerate, Lightning, DeepSpeed) set itself up for fewer processes than the
+    launch started, so each rank would train its own copy: raised on the rank, at set-up."""
+
+
+class RemoteNotConfiguredError(ValueError):
+    """`remote=True` was asked for, but no deployment is configured to run the call on."""
+
+
 class LaunchError(RuntimeError):
     """A distributed launch did not produce a result for every rank."""
 

@@ -32,11 +32,14 @@ Runs that must survive interruptions get three more guards:
 import contextlib
 import functools
 import inspect
+import json
 import linecache
+import logging
 import math
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,6 +55,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import cloudpickle
 import psutil
 
+from trainflow._adapt import read_adaptations
 from trainflow.errors import (
     HangError,
     LaunchConfigError,
@@ -60,12 +64,15 @@ from trainflow.errors import (
     PayloadError,
     Preempted,
     RankError,
+    RemoteNotConfiguredError,
     StopRequested,
     is_collective_failure,
 )
 from trainflow.paths import trainflow_home
 from trainflow.resources import LaunchPlan, resolve_resources
 from trainflow.run_dir import RunDir
+
+logger = logging.getLogger(__name__)
 
 _PREEMPTED_TYPE = f"{Preempted.__module__}.{Preempted.__qualname__}"
 
@@ -77,6 +84,9 @@ LineSink = Callable[[int, str], None]
 RDZV_ENDPOINT_ENV = "TRAINFLOW_RDZV_ENDPOINT"
 RUN_ID_ENV = "TRAINFLOW_RUN_ID"
 START_METHOD_ENV = "TRAINFLOW_START_METHOD"
+KEEP_RUNS_ENV = "TRAINFLOW_KEEP_RUNS"
+REMOTE_DEPLOYMENT_ENV = "TRAINFLOW_REMOTE_DEPLOYMENT"
+DEFAULT_KEEP_RUNS = 50
 # After the first rank fails, torch elastic stops the others; give it this long before we do.
 FAILURE_GRACE_S = 5.0
 # SIGTERM-to-SIGKILL grace of the final sweep, once the launch is decided.
@@ -90,6 +100,10 @@ WATCH_EVERY_S = 0.25
 STACK_DUMP_WAIT_S = 3.0
 # Frames shown per thread of a stuck rank's stack.
 STACK_FRAMES = 20
+# Source shipped with the payload for rank tracebacks, at most (a module, a notebook).
+MAX_SHIPPED_SOURCE_BYTES = 2_000_000
+# A progress bar redrawn in place is passed on at most this often per rank.
+PROGRESS_EVERY_S = 2.0
 
 
 def _check_seconds(name: str, value: object, zero_ok: bool = False) -> None:
@@ -119,6 +133,7 @@ class LaunchOptions:
     hang_timeout: float | None = None
     stop_grace: float = 30.0
     stop_file: str | None = None
+    remote: bool = False
 
     def __post_init__(self) -> None:
         if self.timeout is not None:
@@ -175,6 +190,37 @@ def _bind_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
     return cloudpickle.dumps((fn, args, kwargs))
 
 
+def keep_run_dirs() -> int:
+    """How many launch folders `prune_run_dirs` keeps (TRAINFLOW_KEEP_RUNS, default 50)."""
+    value = os.environ.get(KEEP_RUNS_ENV, "")
+    if not value:
+        return DEFAULT_KEEP_RUNS
+    if not value.isdigit() or int(value) < 1:
+        raise LaunchConfigError(f"{KEEP_RUNS_ENV}={value!r}: give a whole number of at least 1")
+    return int(value)
+
+
+def prune_run_dirs(root: Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` launch folders in `root`; never one still in use.
+
+    A folder is in use while the process that launched it lives. Returns what was removed.
+    """
+    if not root.is_dir():
+        return []
+    folders = sorted(
+        (d for d in root.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime, reverse=True
+    )
+    removed = []
+    for folder in folders[keep:]:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            caller = json.loads((folder / "spec.json").read_text())["caller_pid"]
+            if psutil.pid_exists(caller):
+                continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
 def _caller_sys_path() -> list[str]:
     return [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
 
@@ -199,8 +245,33 @@ def _wait_group_gone(pgid: int, seconds: float) -> bool:
     return True
 
 
+def _kill_adopted(leader_pid: int, rounds: int = 5) -> None:
+    """SIGKILL the leader's descendants that left its process group, while it still lives.
+
+    The agent (the group's leader) is the subreaper of the launch: a process a rank started in
+    a session of its own is its descendant but no member of the group, so a group kill misses
+    it, and once the agent is gone it would be re-parented to init. Killed here first; a few
+    rounds catch what a dying rank started meanwhile.
+    """
+    for _ in range(rounds):
+        try:
+            descendants = psutil.Process(leader_pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        outside = []
+        for proc in descendants:
+            with contextlib.suppress(ProcessLookupError, psutil.Error):
+                if os.getpgid(proc.pid) != leader_pid:
+                    proc.kill()
+                    outside.append(proc)
+        if not outside:
+            return
+        psutil.wait_procs(outside, timeout=1)
+
+
 def kill_process_group(pgid: int) -> None:
-    """SIGKILL every process of the group and wait (bounded) until they are gone."""
+    """SIGKILL every process of the group, and what its leader adopted; wait (bounded)."""
+    _kill_adopted(pgid)
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
@@ -271,27 +342,59 @@ _WORKER_FILE = os.path.join("trainflow", "_worker.py")
 _CodeSpan = tuple[str, int, int, str]
 
 
-def _shipped_code(fn: Callable[..., Any]) -> list[_CodeSpan]:
-    """Where the code of `fn`, of the functions nested in it and of its module's functions is.
+def _shipped_codes(fn: Callable[..., Any]) -> list[types.CodeType]:
+    """The code of `fn` and of the functions nested in it; with `__main__`, its module's too.
 
-    cloudpickle ships functions from `__main__`, and any function `@distributed` wraps, by
-    value and names their file "<dynamic-code>", so a rank's stack shows only function and
-    line for them. The caller still has the code objects, hence the files.
+    cloudpickle ships functions from `__main__` (a script, a notebook) by value and names
+    their file "<dynamic-code>", so a rank's stack would show only function and line for them.
+    The caller still has the code objects, hence the files.
     """
-    functions = [fn] + [
-        f
-        for f in getattr(fn, "__globals__", {}).values()
-        if isinstance(f, types.FunctionType) and f.__module__ == getattr(fn, "__module__", None)
-    ]
+    module = getattr(fn, "__module__", None)
+    functions = [fn]
+    if module == "__main__" or module not in sys.modules:  # its module travels by value too
+        functions += [
+            f
+            for f in getattr(fn, "__globals__", {}).values()
+            if isinstance(f, types.FunctionType) and f.__module__ == module
+        ]
     todo = [f.__code__ for f in functions if hasattr(f, "__code__")]
-    spans: list[_CodeSpan] = []
+    codes: list[types.CodeType] = []
     while todo:
         code = todo.pop()
+        codes.append(code)
+        todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return codes
+
+
+def _shipped_code(fn: Callable[..., Any]) -> list[_CodeSpan]:
+    """Where the code of `fn` (see `_shipped_codes`) is: function, first and last line, file."""
+    spans: list[_CodeSpan] = []
+    for code in _shipped_codes(fn):
         lines = [line for _, _, line in code.co_lines() if line is not None]
         first, last = min(lines, default=code.co_firstlineno), max(lines, default=0)
         spans.append((code.co_name, first, last, code.co_filename))
-        todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
     return spans
+
+
+def _shipped_sources(fn: Callable[..., Any]) -> tuple[list[list], dict[str, list[str]]]:
+    """What a rank needs to show the source of code shipped by value in its tracebacks.
+
+    `[name, first line, file]` of each code object, and the lines of the files a rank may not
+    have: notebook cells (held in `linecache`, in no file) and the caller's script, which a
+    remote worker lacks. An importable module's file is wherever the module can be imported.
+    """
+    codes = _shipped_codes(fn)
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    sources: dict[str, list[str]] = {}
+    size = 0
+    for path in dict.fromkeys(c.co_filename for c in codes):
+        if os.path.isfile(path) and path != script:
+            continue
+        lines = linecache.getlines(path)
+        size += sum(map(len, lines))
+        if lines and size <= MAX_SHIPPED_SOURCE_BYTES:
+            sources[path] = lines
+    return [[c.co_name, c.co_firstlineno, c.co_filename] for c in codes], sources
 
 
 def _shipped_file(shipped: Sequence[_CodeSpan], func: str, lineno: int) -> str | None:
@@ -471,6 +574,7 @@ class _LogTail:
         self.sink = sink
         self.offsets: dict[int, int] = {}
         self.partial: dict[int, bytes] = {}
+        self.progress_at: dict[int, float] = {}
 
     def poll(self, final: bool = False) -> None:
         for rank, path in self.rd.log_files().items():
@@ -487,10 +591,31 @@ class _LogTail:
             *lines, rest = data.split(b"\n")
             if final and rest:
                 lines.append(rest)
-            elif rest:
-                self.partial[rank] = rest
+                rest = b""
             for line in lines:
-                self.sink(rank, line.decode("utf-8", errors="replace").rstrip("\r"))
+                # A progress bar redrawn in place (tqdm) ends as one line: its final state.
+                last = next((p for p in reversed(line.split(b"\r")) if p.strip()), b"")
+                self.sink(rank, last.decode("utf-8", errors="replace"))
+            if rest:
+                rest = self._progress(rank, rest)
+                if rest:
+                    self.partial[rank] = rest
+
+    def _progress(self, rank: int, rest: bytes) -> bytes:
+        """Pass on a progress bar's newest complete redraw, at most every `PROGRESS_EVERY_S`.
+
+        Bars redraw with a carriage return and no newline until they finish, so unhandled
+        they would arrive as one very long line at the end. Returns what is left to follow.
+        """
+        if b"\r" not in rest:
+            return rest
+        done, _, current = rest.rpartition(b"\r")
+        newest = next((p for p in reversed(done.split(b"\r")) if p.strip()), b"")
+        now = time.monotonic()
+        if newest and now - self.progress_at.get(rank, -math.inf) >= PROGRESS_EVERY_S:
+            self.progress_at[rank] = now
+            self.sink(rank, newest.decode("utf-8", errors="replace"))
+        return b"\r" + current if current else b""
 
 
 def _tail(path: Path, num_lines: int = 30) -> str:
@@ -531,7 +656,9 @@ class _Launch:
         if res.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"  # what torchrun does, to avoid oversubscription
         if res.device == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""
+            # What accelerate (the Hugging Face Trainer) and DeepSpeed read to run as CPU ranks;
+            # without them the Trainer trains alone on each rank.
+            env.update(CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="true", DS_ACCELERATOR="cpu")
         env.update(self.options.env)
         return env
 
@@ -551,6 +678,8 @@ class _Launch:
         opts = self.options
         res = resolve_resources(opts.gpus, opts.gpu_type, opts.nnodes)
         payload = _bind_payload(self.fn, args, kwargs)
+        code_files, sources = _shipped_sources(self.fn)
+        prune_run_dirs(trainflow_home() / "runs", keep_run_dirs())
         endpoint, run_id = self._rendezvous()
         env = self._env(res)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -573,13 +702,16 @@ class _Launch:
                 "init_process_group": opts.init_process_group,
                 "start_method": self._start_method(res),
                 "sys_path": _caller_sys_path(),
+                "code_files": code_files,
                 # Names only: values (tokens, keys) travel in the agent's environment and are
                 # never written to disk.
                 "env_names": sorted(env),
                 "caller_pid": os.getpid(),
             },
             payload,
+            sources,
         )
+        self._announce(rd, res)
         self._tail = _LogTail(rd, self.sink)
         self._gone_at_failure: list[int] = []
         self.shipped = _shipped_code(self.fn)
@@ -594,23 +726,39 @@ class _Launch:
             )
         verdict: LaunchError | None = None
         try:
-            verdict = self._supervise(proc, rd, res)
-        except BaseException:
-            self._stop_gracefully(proc.pid, rd)
-            raise
-        finally:
-            # Hung ranks cannot act on SIGTERM: no grace for them.
-            stop_process_group(
-                proc.pid, 0.0 if isinstance(verdict, HangError) else SHUTDOWN_GRACE_S
-            )
-            proc.wait()
-        try:
+            try:
+                verdict = self._supervise(proc, rd, res)
+            except BaseException:
+                self._stop_gracefully(proc.pid, rd)
+                raise
+            finally:
+                # Hung ranks cannot act on SIGTERM: no grace for them.
+                stop_process_group(
+                    proc.pid, 0.0 if isinstance(verdict, HangError) else SHUTDOWN_GRACE_S
+                )
+                proc.wait()
             self._tail.poll(final=True)
             if verdict is not None:
                 raise verdict
             return self._collect(proc.returncode, rd, res)
         finally:
-            rd.discard_payloads()
+            adapted = read_adaptations(rd.path)
+            if adapted:
+                logger.warning(
+                    "%s.distributed() ran on CPU ranks with these adaptations: %s",
+                    self.name,
+                    "; ".join(adapted),
+                )
+            rd.discard_payloads()  # on every path, Ctrl-C included
+
+    def _announce(self, rd: RunDir, res: LaunchPlan) -> None:
+        text = (
+            f"{self.name}.distributed(): {res.world_size} {res.device} rank(s) on "
+            f"{res.nnodes} node(s); rank logs in {rd.logs}"
+        )
+        logger.info(text)
+        if self.sink is _print_line:  # a terminal or notebook: say where the logs are
+            print(f"[trainflow] {text}", flush=True)
 
     def _stop_gracefully(self, pgid: int, rd: RunDir) -> None:
         """The caller was interrupted: SIGTERM the launch, wait up to `stop_grace`, then kill.
@@ -1027,6 +1175,12 @@ class DistributedFunction(Generic[P, R]):
         Inside a Prefect flow run the launch is its own task run and rank output goes to the
         run's logs; elsewhere rank output is printed with a `[rank N]` prefix.
         """
+        if self.options.remote:
+            deployment = remote_deployment(self.options.gpu_type)  # fails before anything runs
+            payload = _bind_payload(self.fn, args, kwargs)
+            from trainflow import prefect_adapter
+
+            return prefect_adapter.run_remote(deployment, payload, self.options)
         if "prefect" in sys.modules:
             from trainflow import prefect_adapter
 
@@ -1037,6 +1191,30 @@ class DistributedFunction(Generic[P, R]):
     def __reduce__(self) -> Any:
         # Ship the plain function: ranks call it directly.
         return (_rebuild, (self.fn, self.options))
+
+
+def remote_deployment(gpu_type: str | None) -> str:
+    """The Prefect deployment a `remote=True` call runs on, for this GPU type.
+
+    TRAINFLOW_REMOTE_DEPLOYMENT_<GPU TYPE> (e.g. `_H100`) first, then
+    TRAINFLOW_REMOTE_DEPLOYMENT; each names a deployment of `flows/remote.py:remote_call`
+    ("remote-call/h100") on a work pool whose workers have those GPUs.
+
+    Raises:
+        RemoteNotConfiguredError: neither is set; says how to set one up.
+    """
+    suffix = re.sub(r"[^A-Z0-9]+", "_", (gpu_type or "").upper()).strip("_")
+    names = ([f"{REMOTE_DEPLOYMENT_ENV}_{suffix}"] if suffix else []) + [REMOTE_DEPLOYMENT_ENV]
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    raise RemoteNotConfiguredError(
+        f"remote=True needs a Prefect deployment to run the call on, and none is configured: "
+        f"set {' or '.join(names)} to the name of a deployment of "
+        "flows/remote.py:remote_call (e.g. 'remote-call/h100') on a work pool with "
+        f"{gpu_type or 'GPU'} workers. `prefect deploy --name remote-call/cpu-local` creates one "
+        "from prefect.yaml; see docs/notebooks.md. Or use remote=False to run the ranks here."
+    )
 
 
 def _rebuild(fn: Callable[..., Any], options: LaunchOptions) -> DistributedFunction:
@@ -1056,6 +1234,7 @@ def distributed(
     hang_timeout: float | None = None,
     stop_grace: float = 30.0,
     stop_file: str | None = None,
+    remote: bool = False,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Decorate a function so `fn.distributed(...)` runs it on `gpus` ranks.
 
@@ -1085,6 +1264,11 @@ def distributed(
         stop_file: A path another process may create to stop the launch as a preemption
             would (a final checkpoint, then the ranks end, within `stop_grace`); the call then
             raises `StopRequested`, which is not retried.
+        remote: False runs the ranks on this machine. True submits the call to the Prefect
+            deployment configured for `gpu_type` (TRAINFLOW_REMOTE_DEPLOYMENT_<TYPE> or
+            TRAINFLOW_REMOTE_DEPLOYMENT, a deployment of `flows/remote.py:remote_call`), waits
+            for it and returns its per-rank results; `RemoteNotConfiguredError` when none is
+            set.
     """
     options = LaunchOptions(
         gpus=gpus,
@@ -1098,6 +1282,7 @@ def distributed(
         hang_timeout=hang_timeout,
         stop_grace=stop_grace,
         stop_file=stop_file,
+        remote=remote,
     )
     # Counts that can never work fail at decoration time; GPU presence is checked at launch.
     resolve_resources(options.gpus, "cpu", options.nnodes)

@@ -1,9 +1,11 @@
-"""The one module of `trainflow` that imports Prefect: rank output into Prefect run logs.
+"""The one module of `trainflow` that imports Prefect: rank output into Prefect run logs, and
+`remote=True` calls run on a deployment.
 
-`DistributedFunction.distributed()` only imports this when Prefect is already loaded, so the
-library and every rank stay free of Prefect.
+`DistributedFunction.distributed()` only imports this when Prefect is already loaded (or a
+remote call is asked for), so the library and every rank stay free of Prefect.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
@@ -97,4 +99,40 @@ def launch_in_prefect(
     return as_task(fn, args, kwargs, options)
 
 
-__all__ = ["in_prefect_run", "launch_in_prefect", "launch_logged"]
+def run_remote(deployment: str, payload: bytes, options: LaunchOptions) -> list[Any]:
+    """Run a pickled call on a deployment of `flows/remote.py:remote_call`; its rank values.
+
+    Waits for the flow run. Its result (the per-rank values, pickled) comes back through the
+    deployment's result storage, which must be one this process can read too.
+    """
+    import base64
+
+    import cloudpickle
+    from prefect.deployments import run_deployment
+
+    from trainflow.errors import LaunchError
+
+    settings = {**dataclasses.asdict(options), "remote": False}
+    flow_run: Any = run_deployment(
+        deployment,
+        parameters={"payload": base64.b64encode(payload).decode(), "options": settings},
+        timeout=None,
+    )
+    state = flow_run.state
+    if state is not None and state.is_failed():
+        try:
+            state.result()  # the run's own exception (a RankError, ...), where it was kept
+        except LaunchError:
+            raise
+        except Exception:  # noqa: BLE001 - not kept: the state's message says what happened
+            pass
+    if state is None or not state.is_completed():
+        raise LaunchError(
+            f"the remote call on deployment {deployment!r} (flow run {flow_run.name}, "
+            f"{flow_run.id}) ended {state.name if state else 'without a state'}: "
+            f"{state.message if state else ''}"
+        )
+    return cloudpickle.loads(base64.b64decode(state.result()))
+
+
+__all__ = ["in_prefect_run", "launch_in_prefect", "launch_logged", "run_remote"]

@@ -76,6 +76,11 @@ class RunDir:
         return self.path / "payload.pkl"
 
     @property
+    def sources(self) -> Path:
+        """The caller's source of the code it shipped by value (`{file: lines}`, JSON)."""
+        return self.path / "sources.json"
+
+    @property
     def agent_log(self) -> Path:
         return self.path / "agent.log"
 
@@ -105,11 +110,14 @@ class RunDir:
     def ranks(self) -> Path:
         return self.path / "ranks"
 
-    def create(self, spec: dict[str, Any], payload: bytes) -> None:
+    def create(
+        self, spec: dict[str, Any], payload: bytes, sources: dict[str, list[str]] | None = None
+    ) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.results.mkdir(parents=True, exist_ok=True)
         self.ranks.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.spec, json.dumps(spec, indent=2).encode())
+        _atomic_write(self.sources, json.dumps(sources or {}).encode())
         _atomic_write(self.payload, payload)
 
     def read_spec(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ One module-scoped run of `mlp/cpu-local` (triggered through the API, executed by
 `prefect worker start`) is shared by the log, artifact and browser checks.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -42,6 +43,29 @@ def _cli(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedPro
     return proc
 
 
+def _run_once_worker(env: dict, log) -> subprocess.Popen:
+    """A process worker on the cpu-local pool that runs what is scheduled now, then exits."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "worker",
+            "start",
+            "--pool",
+            "cpu-local",
+            "--run-once",
+            "--type",
+            "process",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
 @pytest.fixture(scope="module")
 def deployed_run(prefect_api, tmp_path_factory):
     """Deploy mlp/cpu-local, trigger it through the API, let a process worker run it."""
@@ -73,6 +97,8 @@ def deployed_run(prefect_api, tmp_path_factory):
         "mlp/h100",
         "--name",
         "transformer/cpu-local",
+        "--name",
+        "remote-call/cpu-local",
         env=env,
     )
     with get_client(sync_client=True) as client:
@@ -81,25 +107,7 @@ def deployed_run(prefect_api, tmp_path_factory):
             deployment.id, parameters={"config": SMALL}
         )
     worker_log = open(work / "worker.log", "wb")  # noqa: SIM115 - closed below
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "prefect",
-            "worker",
-            "start",
-            "--pool",
-            "cpu-local",
-            "--run-once",
-            "--type",
-            "process",
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=worker_log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    worker = _run_once_worker(env, worker_log)
     try:
         deadline = time.monotonic() + 400
         with get_client(sync_client=True) as client:
@@ -121,6 +129,8 @@ def deployed_run(prefect_api, tmp_path_factory):
         "deployment": deployment,
         "worker_log": work / "worker.log",
         "api": prefect_api,
+        "env": env,
+        "work": work,
     }
 
 
@@ -217,3 +227,71 @@ def test_launch_flow_sizes_the_run_before_it_starts(deployed_run):
     }
     assert run.parameters["config"]["gpus"] == 4
     assert run.state.is_scheduled()  # waiting for a GPU worker; nothing ran here
+
+
+# A notebook cell: the function lives in __main__, so it travels by value, as from Jupyter.
+REMOTE_CELL = """
+import json, os
+from trainflow import distributed, runtime
+
+@distributed(gpus=2, gpu_type="cpu", remote=True)
+def where(x):
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(x + runtime.get_global_rank())])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    print("all-reduced", total.item(), flush=True)
+    return {"rank": runtime.get_global_rank(), "pid": os.getpid(),
+            "total": total.item()}
+
+print("RESULT " + json.dumps({"caller": os.getpid(), "ranks": where.distributed(3)}))
+"""
+
+
+def test_remote_true_runs_the_call_on_the_deployment_and_returns_rank_values(deployed_run):
+    """`remote=True` submits to remote-call/cpu-local; a process worker runs the ranks."""
+    env = {**deployed_run["env"], "TRAINFLOW_REMOTE_DEPLOYMENT": "remote-call/cpu-local"}
+    caller = subprocess.Popen(
+        [sys.executable, "-c", REMOTE_CELL],
+        env=env,
+        cwd=deployed_run["work"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    worker_log = open(deployed_run["work"] / "remote-worker.log", "wb")  # noqa: SIM115
+    worker = None
+    try:
+        with get_client(sync_client=True) as client:
+            deployment = client.read_deployment_by_name("remote-call/cpu-local")
+            deadline = time.monotonic() + 120
+            while not client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(deployment_id={"any_": [deployment.id]})
+            ):
+                assert caller.poll() is None, caller.communicate()[0][-3000:]
+                assert time.monotonic() < deadline, "the remote call created no flow run"
+                time.sleep(0.5)
+        worker = _run_once_worker(env, worker_log)  # the call is waiting for it now
+        out, _ = caller.communicate(timeout=400)
+    finally:
+        for proc in (caller, worker):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        worker_log.close()
+    assert caller.returncode == 0, out[-3000:]
+    result = json.loads(out.split("RESULT ", 1)[1])
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    assert all(r["total"] == 3 + 4 for r in result["ranks"])  # (3+0) + (3+1), all-reduced
+    assert all(r["pid"] != result["caller"] for r in result["ranks"])
+    with get_client(sync_client=True) as client:
+        (run,) = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(deployment_id={"any_": [deployment.id]})
+        )
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+    assert run.state.is_completed()
+    assert run.parameters["options"]["gpus"] == 2 and run.parameters["options"]["remote"] is False
+    # the ranks ran in that flow run, and their output is in its logs
+    assert any(log.message.startswith("[rank 1] all-reduced 7.0") for log in logs)

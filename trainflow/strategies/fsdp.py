@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (
 )
 
 from trainflow import runtime
+from trainflow._adapt import shard_with_fsdp2_on_cpu
 from trainflow.strategies.base import TorchStrategy, adamw, find_blocks
 from trainflow.strategies.config import FSDPConfig, OptimizerConfig
 
@@ -123,25 +124,9 @@ class FSDPStrategy(TorchStrategy):
         }
 
     def prepare_hf_trainer(self, trainer: Any) -> None:
-        """Let accelerate shard with FSDP2 on CPU ranks (gloo), as the GPU path does.
-
-        accelerate 1.15 enables FSDP only for accelerator devices and otherwise silently wraps
-        the model in DDP; fully_shard itself works on a CPU mesh. The plugin is rebuilt from the
-        same environment `hf_trainer_args` filled.
-        """
-        if self.device.type != "cpu":
-            return
-        from accelerate.state import AcceleratorState
-        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-        state = AcceleratorState()
-        plugin = FullyShardedDataParallelPlugin()
-        plugin.activation_checkpointing = trainer.args.fsdp_config.get(
-            "activation_checkpointing", False
-        )
-        state.fsdp_plugin = plugin
-        state.distributed_type = DistributedType.FSDP
-        trainer.is_fsdp_enabled = True
+        """Let accelerate shard with FSDP2 on CPU ranks (gloo), as the GPU path does."""
+        if self.device.type == "cpu":
+            shard_with_fsdp2_on_cpu(trainer)
 
     def prepare_lightning_model(self, model: nn.Module) -> None:
         """`shard` the model, once: Lightning calls `configure_model` again for each stage."""

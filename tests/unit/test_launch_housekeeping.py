@@ -1,0 +1,83 @@
+"""Launch folders are pruned, and progress bars reach the caller as readable lines."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainflow import launcher
+from trainflow.errors import LaunchConfigError
+from trainflow.run_dir import RunDir
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _launch_folder(root: Path, name: str, caller_pid: int, age_s: int) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "spec.json").write_text(json.dumps({"caller_pid": caller_pid}))
+    stamp = 1_700_000_000 - age_s
+    os.utime(folder, (stamp, stamp))
+    return folder
+
+
+def test_pruning_keeps_the_newest_and_every_folder_still_in_use(tmp_path):
+    dead = _dead_pid()
+    folders = [_launch_folder(tmp_path, f"run-{i}", dead, age_s=i) for i in range(5)]
+    in_use = _launch_folder(tmp_path, "run-old-live", os.getpid(), age_s=100)
+    (tmp_path / "stray-file").write_text("not a launch")
+
+    removed = launcher.prune_run_dirs(tmp_path, keep=2)
+
+    assert sorted(removed) == sorted(folders[2:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "run-0",
+        "run-1",
+        "run-old-live",
+        "stray-file",
+    ]
+    assert in_use.is_dir()
+    assert launcher.prune_run_dirs(tmp_path / "missing", keep=2) == []
+
+
+def test_keep_runs_setting_is_read_and_checked(monkeypatch):
+    monkeypatch.delenv("TRAINFLOW_KEEP_RUNS", raising=False)
+    assert launcher.keep_run_dirs() == launcher.DEFAULT_KEEP_RUNS
+    monkeypatch.setenv("TRAINFLOW_KEEP_RUNS", "7")
+    assert launcher.keep_run_dirs() == 7
+    for bad in ("0", "-1", "many"):
+        monkeypatch.setenv("TRAINFLOW_KEEP_RUNS", bad)
+        with pytest.raises(LaunchConfigError, match="TRAINFLOW_KEEP_RUNS"):
+            launcher.keep_run_dirs()
+
+
+def test_progress_bars_arrive_as_their_newest_redraw_then_their_final_state(tmp_path, monkeypatch):
+    rd = RunDir(tmp_path)
+    rd.logs.mkdir()
+    log = rd.log_path(0)
+    lines: list[tuple[int, str]] = []
+    tail = launcher._LogTail(rd, lambda rank, line: lines.append((rank, line)))
+    clock = iter([100.0, 100.5, 103.0])
+    monkeypatch.setattr(launcher.time, "monotonic", lambda: next(clock))
+
+    def write(text: str) -> None:
+        with open(log, "a") as f:
+            f.write(text)
+        tail.poll()
+
+    write("loading\n 10%|#  | 1/10\r 20%|## | 2/10\r 30%")
+    assert lines == [(0, "loading"), (0, " 20%|## | 2/10")]  # the newest complete redraw
+    write("|###| 3/10\r 40%|####| 4/10\r")
+    assert len(lines) == 2  # within PROGRESS_EVERY_S of the last one: held back
+    write(" 50%|#####| 5/10\r")
+    assert lines[-1] == (0, " 50%|#####| 5/10")
+    write("100%|##########| 10/10\n")
+    assert lines[-1] == (0, "100%|##########| 10/10")  # the bar's final state, whole
+    assert all("\r" not in line for _, line in lines)
