@@ -34,29 +34,15 @@ def _three_together(args: list[str], env: dict[str, str]) -> list[str]:
     return outputs
 
 
-def test_three_pipelines_started_together_on_a_fresh_store_all_register(prefect_api, tmp_path):
-    store = tmp_path / "fresh" / "mlflow.db"
-    assert not store.exists()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
-    args = ["--num-epochs", "1", "--registered-model-name", "mlp-together"]
-    _three_together(args, env)
-
-    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
-    versions = client.search_model_versions("name='mlp-together'")
-    assert sorted(int(v.version) for v in versions) == [1, 2, 3]
-    assert len({v.run_id for v in versions}) == 3
-    experiment = client.get_experiment_by_name("mlp")
-    runs = client.search_runs([experiment.experiment_id])
-    assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3
-
-
-def test_three_pipelines_with_their_own_temporary_servers_on_one_fresh_prefect_home(tmp_path):
+def test_three_pipelines_on_a_fresh_store_and_a_fresh_prefect_home_all_register(tmp_path):
     """No PREFECT_API_URL: each run starts a temporary server on the same new Prefect database,
-    which each server migrates as it starts; they take turns, and all three complete."""
+    which each server migrates as it starts; they take turns. The MLflow store is new too: its
+    schema migration and the experiment's creation race. All three complete and register."""
+    store = tmp_path / "fresh" / "mlflow.db"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env |= {
         "PREFECT_HOME": str(tmp_path / "prefect"),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{store}",
     }
     args = ["--max-steps", "5", "--min-r2", "-100", "--registered-model-name", "mlp-homes"]
     for out in _three_together(args, env):
@@ -64,6 +50,9 @@ def test_three_pipelines_with_their_own_temporary_servers_on_one_fresh_prefect_h
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     versions = client.search_model_versions("name='mlp-homes'")
     assert sorted(int(v.version) for v in versions) == [1, 2, 3]
+    assert len({v.run_id for v in versions}) == 3
+    runs = client.search_runs([client.get_experiment_by_name("mlp").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3
 
 
 def test_three_preparations_of_one_dataset_on_a_fresh_trainflow_home_publish_it_once(
