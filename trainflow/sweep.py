@@ -14,6 +14,7 @@ import copy
 import importlib
 import itertools
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +194,25 @@ def make_pruner(kind: Pruner, startup_trials: int, warmup_steps: int) -> optuna.
     return optuna.pruners.NopPruner()
 
 
+def study_storage(path: Path, attempts: int = 5) -> optuna.storages.RDBStorage:
+    """Optuna's SQLite storage at `path`, set up safely against a concurrent reader.
+
+    Two processes opening a new study file at once (the sweep, and a dashboard or a check that
+    reads it) race in Optuna's schema stamp: the loser gets `UNIQUE constraint failed:
+    alembic_version`. The schema is complete by then, so the loser opens it again.
+    """
+    import sqlalchemy.exc
+
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(f"sqlite:///{path}")
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def open_study(
     folder: Path, name: str, mode: Mode, sampler: optuna.samplers.BaseSampler, pruner: Any
 ) -> optuna.Study:
@@ -200,7 +220,7 @@ def open_study(
     folder.mkdir(parents=True, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna.create_study(
-        storage=f"sqlite:///{folder / 'study.db'}",
+        storage=study_storage(folder / "study.db"),
         study_name=name,
         direction="minimize" if mode == "min" else "maximize",
         sampler=sampler,

@@ -39,6 +39,9 @@ FLOW_REPORTING_LISTENERS = textwrap.dedent(
 def test_local_prefect_server_started_by_a_run_listens_on_loopback_only(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    # Prefect's own temporary server (a plain flow call) waits 20 s by default: too short on a
+    # busy 2-core machine migrating a fresh database.
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
     proc = subprocess.run(
         [sys.executable, "-c", FLOW_REPORTING_LISTENERS],
         cwd=REPO_ROOT,

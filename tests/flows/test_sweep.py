@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 from flows.sweep import TRIAL_STATE_TAG, SweepConfig, sweep
 from tests.conftest import REPO_ROOT
 from trainflow.paths import run_output_dir
+from trainflow.sweep import study_storage
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +136,7 @@ def _study_has_a_finished_trial(parent: str) -> bool:
     if not db.exists():
         return False
     try:
-        study = optuna.load_study(study_name=parent, storage=f"sqlite:///{db}")
+        study = optuna.load_study(study_name=parent, storage=study_storage(db))
     except KeyError:  # not created yet
         return False
     return any(t.state.is_finished() for t in study.trials)
