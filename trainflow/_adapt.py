@@ -178,28 +178,29 @@ def _adapt_torch_for_cpu() -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    def make_init(original: Callable[..., Any]) -> Callable[..., Any]:
-        def init_process_group(*args: Any, **kwargs: Any) -> Any:
-            bound = _bound(original, args, kwargs)
-            if _is_nccl(bound.arguments.get("backend")):
-                bound.arguments["backend"] = "gloo"
-                _note("init_process_group('nccl') runs with gloo")
-            if bound.arguments.get("device_id") is not None:
-                bound.arguments["device_id"] = None
-                _note("init_process_group(device_id=...) is ignored")
-            return original(*bound.args, **bound.kwargs)
+    def gloo_for_nccl(
+        called: str, drop_device_id: bool
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A group constructor with nccl run as gloo (and `device_id` dropped); `called` is
+        how the note shows the nccl call."""
 
-        return init_process_group
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def create(*args: Any, **kwargs: Any) -> Any:
+                bound = _bound(original, args, kwargs)
+                if _is_nccl(bound.arguments.get("backend")):
+                    bound.arguments["backend"] = "gloo"
+                    _note(f"{called} runs with gloo")
+                if drop_device_id and bound.arguments.get("device_id") is not None:
+                    bound.arguments["device_id"] = None
+                    _note("init_process_group(device_id=...) is ignored")
+                return original(*bound.args, **bound.kwargs)
 
-    def make_new_group(original: Callable[..., Any]) -> Callable[..., Any]:
-        def new_group(*args: Any, **kwargs: Any) -> Any:
-            bound = _bound(original, args, kwargs)
-            if _is_nccl(bound.arguments.get("backend")):
-                bound.arguments["backend"] = "gloo"
-                _note("new_group(backend='nccl') runs with gloo")
-            return original(*bound.args, **bound.kwargs)
+            return create
 
-        return new_group
+        return make
+
+    make_init = gloo_for_nccl("init_process_group('nccl')", drop_device_id=True)
+    make_new_group = gloo_for_nccl("new_group(backend='nccl')", drop_device_id=False)
 
     _wrap(c10d, "init_process_group", make_init)
     dist.init_process_group = c10d.init_process_group

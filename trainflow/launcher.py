@@ -366,24 +366,25 @@ def _shipped_codes(fn: Callable[..., Any]) -> list[types.CodeType]:
     return codes
 
 
-def _shipped_code(fn: Callable[..., Any]) -> list[_CodeSpan]:
-    """Where the code of `fn` (see `_shipped_codes`) is: function, first and last line, file."""
+def _shipped_code(codes: Sequence[types.CodeType]) -> list[_CodeSpan]:
+    """Where shipped code (see `_shipped_codes`) is: function, first and last line, file."""
     spans: list[_CodeSpan] = []
-    for code in _shipped_codes(fn):
+    for code in codes:
         lines = [line for _, _, line in code.co_lines() if line is not None]
         first, last = min(lines, default=code.co_firstlineno), max(lines, default=0)
         spans.append((code.co_name, first, last, code.co_filename))
     return spans
 
 
-def _shipped_sources(fn: Callable[..., Any]) -> tuple[list[list], dict[str, list[str]]]:
+def _shipped_sources(
+    codes: Sequence[types.CodeType],
+) -> tuple[list[list], dict[str, list[str]]]:
     """What a rank needs to show the source of code shipped by value in its tracebacks.
 
     `[name, first line, file]` of each code object, and the lines of the files a rank may not
     have: notebook cells (held in `linecache`, in no file) and the caller's script, which a
     remote worker lacks. An importable module's file is wherever the module can be imported.
     """
-    codes = _shipped_codes(fn)
     script = getattr(sys.modules.get("__main__"), "__file__", None)
     sources: dict[str, list[str]] = {}
     size = 0
@@ -678,7 +679,8 @@ class _Launch:
         opts = self.options
         res = resolve_resources(opts.gpus, opts.gpu_type, opts.nnodes)
         payload = _bind_payload(self.fn, args, kwargs)
-        code_files, sources = _shipped_sources(self.fn)
+        codes = _shipped_codes(self.fn)
+        code_files, sources = _shipped_sources(codes)
         prune_run_dirs(trainflow_home() / "runs", keep_run_dirs())
         endpoint, run_id = self._rendezvous()
         env = self._env(res)
@@ -714,7 +716,7 @@ class _Launch:
         self._announce(rd, res)
         self._tail = _LogTail(rd, self.sink)
         self._gone_at_failure: list[int] = []
-        self.shipped = _shipped_code(self.fn)
+        self.shipped = _shipped_code(codes)
         with open(rd.agent_log, "wb") as agent_log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "trainflow._agent", str(rd.path)],
