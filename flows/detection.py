@@ -99,7 +99,7 @@ PRESETS = {
 
 
 def main(argv: list[str] | None = None) -> DatasetResult:
-    from flows.local_server import local_prefect_server
+    from flows.local_server import starting_prefect_server
 
     return run_pipeline(  # type: ignore[no-any-return]
         detection,
@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> DatasetResult:
         __doc__,
         PRESETS,
         SUMMARY_METRICS,
-        server=local_prefect_server,
-        check=_check_config,
+        server=starting_prefect_server,
+        deep_check=_check_config,
     )
 
 

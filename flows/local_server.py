@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,48 +144,116 @@ def _start_lock(home: Path, timeout_s: float) -> Any:
 
 @contextlib.contextmanager
 def local_prefect_server() -> Iterator[str | None]:
-    """Run a temporary Prefect server for this process; yield its API URL.
+    """Run a temporary Prefect server for this process; yield its API URL once it answers.
 
     With `PREFECT_API_URL` set (or temporary servers turned off) nothing is started and the
     configured URL (or None) is yielded: flows use the server they are pointed at.
     """
+    with starting_prefect_server() as ready:
+        yield ready()
+
+
+@contextlib.contextmanager
+def starting_prefect_server() -> Iterator[Callable[[], str | None]]:
+    """Start a temporary Prefect server for this process; yield a call that waits for it.
+
+    The server starts at once and this process goes on (checking its config, importing what
+    the run needs) while it migrates its database and loads; the yielded call returns the API
+    URL once the server answers, starting it again on another port if that one was taken.
+    Nothing in this process may talk to Prefect before that call returns. With
+    `PREFECT_API_URL` set (or temporary servers turned off) nothing is started.
+    """
     settings = get_current_settings()
     if settings.api.url or not settings.server.ephemeral.enabled:
-        yield settings.api.url
+        yield lambda: settings.api.url
         return
     timeout_s = _startup_timeout_s(settings)
-    guard: subprocess.Popen | None = None
     old_env = os.environ.get("PREFECT_API_URL")
-    try:
-        # A server migrates its database as it starts; two starting together on one fresh
-        # PREFECT_HOME race there ("duplicate column name"). Starts on one home take turns.
-        with _start_lock(Path(settings.home), timeout_s * _START_ATTEMPTS):
-            for _ in range(_START_ATTEMPTS):
-                port = _free_port()
-                url = f"http://127.0.0.1:{port}/api"
-                logger.info("Starting temporary server on %s", url.removesuffix("/api"))
-                guard = _start_guarded(port)
-                if _wait_healthy(url, guard, timeout_s):
-                    break
-                guard.wait()
-            else:
-                raise RuntimeError(
-                    f"the temporary Prefect server exited at start {_START_ATTEMPTS} times "
-                    f"(last exit status {guard.returncode if guard else None})"
-                )
+    server = _Starting(Path(settings.home), timeout_s)
+    settings_in_use = contextlib.ExitStack()
+
+    def point_at(url: str) -> None:
         os.environ["PREFECT_API_URL"] = url  # processes this run starts agree
-        try:
-            with temporary_settings(updates={PREFECT_API_URL: url}):
-                try:
-                    yield url
-                finally:
+        settings_in_use.enter_context(temporary_settings(updates={PREFECT_API_URL: url}))
+
+    def ready() -> str:
+        started_on = server.url
+        url = server.ready()
+        if url != started_on:  # started again on another port
+            point_at(url)
+        return url
+
+    try:
+        with settings_in_use:
+            point_at(server.start())
+            try:
+                yield ready
+            finally:
+                if server.answered:
                     _flush_to_server()
-        finally:
-            if old_env is None:
-                os.environ.pop("PREFECT_API_URL", None)
-            else:
-                os.environ["PREFECT_API_URL"] = old_env
     finally:
-        if guard is not None and guard.poll() is None:
-            logger.info("Stopping temporary server on %s", url.removesuffix("/api"))
-            stop_server(guard)
+        if old_env is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = old_env
+        server.stop()
+
+
+class _Starting:
+    """One temporary server: started, waited for (on a fresh port if its own was taken), stopped.
+
+    A server migrates its database as it starts; two starting together on one fresh
+    PREFECT_HOME race there ("duplicate column name"). Starts on one home take turns: the
+    lock is held from the start until the server answers.
+    """
+
+    def __init__(self, home: Path, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.lock = _start_lock(home, timeout_s * _START_ATTEMPTS)
+        self.guard: subprocess.Popen | None = None
+        self.url = ""
+        self.answered = False
+
+    def start(self) -> str:
+        self.lock.acquire()
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}/api"
+        logger.info("Starting temporary server on %s", self.url.removesuffix("/api"))
+        self.guard = _start_guarded(port)
+        return self.url
+
+    def ready(self) -> str:
+        """The API URL, once the server answers there."""
+        if self.answered:
+            return self.url
+        assert self.guard is not None, "start() first"
+        try:
+            for attempt in range(1, _START_ATTEMPTS + 1):
+                if _wait_healthy(self.url, self.guard, self.timeout_s):
+                    break
+                self.guard.wait()
+                if attempt == _START_ATTEMPTS:
+                    raise RuntimeError(
+                        f"the temporary Prefect server exited at start {_START_ATTEMPTS} times "
+                        f"(last exit status {self.guard.returncode})"
+                    )
+                # Its port was taken between choosing it and binding it: the same URL cannot
+                # change under the settings already given out, so take another and say so.
+                port = _free_port()
+                self.url = f"http://127.0.0.1:{port}/api"
+                logger.info("Starting temporary server on %s", self.url.removesuffix("/api"))
+                self.guard = _start_guarded(port)
+        finally:
+            self._release()
+        self.answered = True
+        return self.url
+
+    def _release(self) -> None:
+        if self.lock.is_locked:
+            self.lock.release()
+
+    def stop(self) -> None:
+        self._release()
+        if self.guard is not None and self.guard.poll() is None:
+            logger.info("Stopping temporary server on %s", self.url.removesuffix("/api"))
+            stop_server(self.guard)

@@ -14,7 +14,7 @@ import sys
 from prefect import flow
 
 from flows.skeleton import PipelineResult, evaluate, finish, register, tracked_run, train
-from trainflow.cli import run_pipeline
+from trainflow.cli import preload, run_pipeline
 from trainflow.configs.mlp import MLPConfig
 from trainflow.workloads import WORKLOADS
 
@@ -32,9 +32,16 @@ def mlp(config: MLPConfig = MLPConfig()) -> PipelineResult:
 
 
 def main(argv: list[str] | None = None) -> PipelineResult:
-    from flows.local_server import local_prefect_server
+    from flows.local_server import starting_prefect_server
 
-    return run_pipeline(mlp, MLPConfig(), argv, __doc__, server=local_prefect_server)
+    return run_pipeline(
+        mlp,
+        MLPConfig(),
+        argv,
+        __doc__,
+        server=starting_prefect_server,
+        deep_check=preload("trainflow.workloads.mlp", "mlflow"),
+    )
 
 
 if __name__ == "__main__":

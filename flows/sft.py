@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None) -> SFTConfig:
 
 
 def main(argv: list[str] | None = None) -> DatasetResult:
-    from flows.local_server import local_prefect_server
+    from flows.local_server import starting_prefect_server
 
     return run_pipeline(  # type: ignore[no-any-return]
         sft,
@@ -82,20 +82,27 @@ def main(argv: list[str] | None = None) -> DatasetResult:
         __doc__,
         PRESETS,
         SUMMARY_METRICS,
-        server=local_prefect_server,
-        check=_check_config,
+        server=starting_prefect_server,
+        check=_check_files,
+        deep_check=_check_names,
     )
 
 
-def _check_config(config: SFTConfig) -> None:
-    """The workload's checks, the file ones first: they need no torch or transformers, so a
-    bad row fails in about a second rather than after the workload's imports."""
+def _check_files(config: SFTConfig) -> None:
+    """The data files' checks: they need no torch or transformers, so a bad row fails in
+    about a second, before the Prefect server starts."""
     from trainflow.data.checks import check_files
 
     check_files(config.data_config())
+
+
+def _check_names(config: SFTConfig) -> None:
+    """Scheduler and LoRA target names, checked on the model built on the meta device: the
+    workload's imports (transformers, TRL) load while the Prefect server starts."""
     from trainflow.workloads.sft import check_names
 
     check_names(config)
+    import mlflow  # noqa: F401  (the run's tracking, loaded now rather than after the server)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -74,6 +74,9 @@ class TrackedRun:
     run_id: str
     output_dir: Path
     lineage: dict[str, str]
+    # Tasks submitted to run beside the next steps (the loss plot beside the evaluation); the
+    # run waits for them before it ends.
+    pending: list[Any] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -148,7 +151,15 @@ def tracked_run(
             f"MLflow run {run_id} {verb} (experiment {config.experiment_name!r}); if it "
             f"stops, continue it with: python -m flows.{workload.name} --resume {run_id}"
         )
-        yield TrackedRun(workload, config if job is None else job, run_id, output_dir, tags)
+        run = TrackedRun(workload, config if job is None else job, run_id, output_dir, tags)
+        try:
+            yield run
+        except BaseException:
+            for future in run.pending:
+                future.wait()
+            raise
+        for future in run.pending:
+            future.result()  # a step that failed beside the others fails the run
 
 
 def check_resumable(workload: WorkloadSpec, config: Any, run_id: str) -> None:
@@ -209,7 +220,8 @@ def train(run: TrackedRun, config: Any) -> TrainResult:
         # A save the stop interrupted is never resumed from; do not leave it behind.
         checkpoint.remove_partial(checkpoints)
         _remove_stale_shared_memory()
-    publish_loss_curve(run.artifact_key, run.run_id, trained.history)
+    # Plotted while the model is evaluated (matplotlib's import and the drawing take seconds).
+    run.pending.append(publish_loss_curve.submit(run.artifact_key, run.run_id, trained.history))
     return trained
 
 

@@ -422,12 +422,12 @@ def _promote(config: SweepConfig, base: Any, parent: str, study: optuna.Study) -
 
 
 def main(argv: list[str] | None = None) -> SweepResult:
-    from flows.local_server import local_prefect_server
+    from flows.local_server import starting_prefect_server
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args and not args[0].startswith("-"):
         args = ["--pipeline", *args]  # the pipeline may come first, as a word
-    return run_pipeline(sweep, SweepConfig(), args, __doc__, server=local_prefect_server)
+    return run_pipeline(sweep, SweepConfig(), args, __doc__, server=starting_prefect_server)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import sys
 from prefect import flow
 
 from flows.skeleton import PipelineResult, evaluate, finish, register, tracked_run, train
-from trainflow.cli import run_pipeline
+from trainflow.cli import preload, run_pipeline
 from trainflow.configs.transformer import TransformerConfig
 from trainflow.workloads import WORKLOADS
 
@@ -34,10 +34,15 @@ def transformer(config: TransformerConfig = TransformerConfig()) -> PipelineResu
 
 
 def main(argv: list[str] | None = None) -> PipelineResult:
-    from flows.local_server import local_prefect_server
+    from flows.local_server import starting_prefect_server
 
     return run_pipeline(
-        transformer, TransformerConfig(), argv, __doc__, server=local_prefect_server
+        transformer,
+        TransformerConfig(),
+        argv,
+        __doc__,
+        server=starting_prefect_server,
+        deep_check=preload("trainflow.workloads.transformer", "mlflow"),
     )
 
 

@@ -66,7 +66,7 @@ PRESETS = {
 
 
 def main(argv: list[str] | None = None) -> DatasetResult:
-    from flows.local_server import local_prefect_server
+    from flows.local_server import starting_prefect_server
 
     return run_pipeline(  # type: ignore[no-any-return]
         two_tower,
@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> DatasetResult:
         __doc__,
         PRESETS,
         SUMMARY_METRICS,
-        server=local_prefect_server,
-        check=_check_config,
+        server=starting_prefect_server,
+        deep_check=_check_config,
     )
 
 

@@ -334,6 +334,7 @@ def run_pipeline(
     summary_metrics: list[str] | None = None,
     server: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     check: Callable[[Any], None] | None = None,
+    deep_check: Callable[[Any], None] | None = None,
 ) -> Any:
     """`python -m flows.<name>`: parse the command line, run the flow, print where things are.
 
@@ -349,26 +350,26 @@ def run_pipeline(
         presets: `--preset NAME` choices, each giving a starting config.
         summary_metrics: Metrics to print at the end, in order (None: all).
         server: Context around the flow run, entered only once the command line is valid and
-            the machine can run it (the flows pass a temporary Prefect server here; this
-            module never imports Prefect).
-        check: The workload's own config check (names the ranks would fail on), run before
-            the server starts; a `ValueError` from it is a usage error.
+            the machine can run it; it yields a call that returns once the server is ready
+            (the flows pass a starting temporary Prefect server here; this module never
+            imports Prefect).
+        check: The workload's own config check (bad files, names the ranks would fail on),
+            run before the server starts; a `ValueError` from it is a usage error.
+        deep_check: A check that needs the workload's libraries (seconds of imports): it
+            runs while the server starts, which it stops on a usage error.
     """
     from trainflow import tracking
     from trainflow.data.errors import DataError
 
     config = pipeline_config(flow, defaults, argv, doc, presets)
     _check_machine(flow, config)
-    if check is not None:
-        try:
-            check(config)
-        except ValueError as exc:
-            print(f"python -m flows.{flow.name}: error: {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
+    _usage_check(flow, check, config)
     before = tracking.last_run_id()
-    around = server() if server else contextlib.nullcontext()
+    around = server() if server else contextlib.nullcontext(lambda: None)
     try:
-        with _sigterm_stops(), around:
+        with _sigterm_stops(), around as server_ready:
+            _usage_check(flow, deep_check, config)
+            server_ready()
             result = flow(config)
     except DataError as exc:  # found once the data was read: say which file, no traceback
         print(f"python -m flows.{flow.name}: error: {exc}", file=sys.stderr)
@@ -383,6 +384,29 @@ def run_pipeline(
         raise SystemExit(code) from None
     _print_result(flow, result, summary_metrics)
     return result
+
+
+def preload(*modules: str) -> Callable[[Any], None]:
+    """A `deep_check` that imports `modules`: what the run needs, loaded while the server starts."""
+
+    def load(config: Any) -> None:
+        import importlib
+
+        for name in modules:
+            importlib.import_module(name)
+
+    return load
+
+
+def _usage_check(flow: Any, check: Callable[[Any], None] | None, config: Any) -> None:
+    """Run `check`; a `ValueError` from it exits as a usage error naming the pipeline."""
+    if check is None:
+        return
+    try:
+        check(config)
+    except ValueError as exc:
+        print(f"python -m flows.{flow.name}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _print_result(flow: Any, result: Any, summary_metrics: list[str] | None) -> None:

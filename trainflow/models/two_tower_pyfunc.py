@@ -109,6 +109,9 @@ def register_recommender(
                 signature=SIGNATURE,
                 input_example=input_example,
                 registered_model_name=registered_model_name,
+                pip_requirements=tracking.pinned_requirements(
+                    "torch", "numpy", "pandas", "cloudpickle"
+                ),
             )
     version = str(info.registered_model_version)
     client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri())
