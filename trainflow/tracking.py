@@ -330,6 +330,43 @@ def _resume(client: Any, experiment: str, experiment_id: str, run_id: str) -> No
     client.update_run(run_id, status="RUNNING")
 
 
+def start_system_metrics(run_id: str, resumed: bool = False) -> Any:
+    """Start MLflow's system-metrics monitor on the run, in this process: CPU, memory, disk and
+    network of this machine (`system/*` metrics), and GPU utilisation and memory where
+    `nvidia-ml-py` finds GPUs. Returns the monitor, or None when it cannot start.
+
+    It samples every 10 s (`MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` overrides it) in a
+    background thread; a resumed run continues its step numbers.
+    """
+    import logging
+
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, resume_logging=resumed, tracking_uri=tracking_uri())
+        monitor.start()
+        return monitor
+    except Exception as exc:  # a monitor must never fail the run it watches
+        logging.getLogger(__name__).warning("system metrics are off for this run: %s", exc)
+        return None
+
+
+def finish_system_metrics(monitor: Any) -> None:
+    """Stop the monitor and log what it sampled since its last publication (MLflow's own stop
+    drops it), so a run shorter than the sampling interval still gets one sample."""
+    import logging
+
+    if monitor is None:
+        return
+    try:
+        monitor.finish()
+        if sampled := monitor.aggregate_metrics():
+            monitor.publish_metrics(sampled)
+            monitor.mlflow_logger.flush()
+    except Exception as exc:
+        logging.getLogger(__name__).warning("last system metrics not logged: %s", exc)
+
+
 @contextlib.contextmanager
 def pipeline_run(
     experiment: str,
@@ -344,6 +381,8 @@ def pipeline_run(
     a cancelled Prefect run, a preempted node: `is_stop`) and FAILED on any other error, never
     left RUNNING by this process. The run is tagged with its owner (`owner_tags`); RUNNING runs
     whose owner on this host has exited are marked FAILED first (`reap_orphaned_runs`).
+    While it is open, MLflow's system metrics of this machine are logged to it
+    (`start_system_metrics`).
 
     With `resume_run_id`, that unfinished run of `experiment` is continued instead of a new one
     (`run_name`, `params` and `tags` are not logged again: the run keeps its own); ValueError if
@@ -369,6 +408,7 @@ def pipeline_run(
             run_id = resume_run_id
     _last_run_id = run_id
     status = "FAILED"
+    monitor = start_system_metrics(run_id, resumed=resume_run_id is not None)
     try:
         if resume_run_id is None:
             from mlflow.entities import Param
@@ -383,6 +423,7 @@ def pipeline_run(
             status = "KILLED"
         raise
     finally:
+        finish_system_metrics(monitor)
         client.set_terminated(run_id, status=status)
 
 
@@ -431,11 +472,13 @@ def register_pytorch_model(
     registered_model_name: str,
     input_example: Any,
     tags: Mapping[str, str],
+    requirements: tuple[str, ...] = (),
 ) -> str:
     """Log `model` (an `nn.Module`) to the run, register it, tag the version; return the version.
 
     Uses pickle serialization so the registry gives back an `nn.Module` (MLflow 3 defaults to
-    an exported graph that loads as a `GraphModule`).
+    an exported graph that loads as a `GraphModule`). Its pip requirements are torch,
+    cloudpickle and numpy at their installed versions, plus `requirements` (distribution names).
     """
     import mlflow
 
@@ -448,8 +491,27 @@ def register_pytorch_model(
             serialization_format="pickle",
             input_example=input_example,
             registered_model_name=registered_model_name,
+            pip_requirements=pinned_requirements("torch", "cloudpickle", "numpy", *requirements),
         )
     return _tag_version(registered_model_name, str(info.registered_model_version), tags)
+
+
+def pinned_requirements(*distributions: str) -> list[str]:
+    """`name==version` of each installed distribution: a logged model's pip requirements.
+
+    Stated rather than inferred: MLflow infers them by loading the model in a subprocess
+    (about 20 s on 2 cores) and lists whatever that process happened to import.
+    """
+    from importlib.metadata import version
+
+    return [f"{name}=={version(name)}" for name in dict.fromkeys(distributions)]
+
+
+def _model_card(text: str) -> Any:
+    """A Hugging Face model card from markdown (an empty one when there is no text)."""
+    from huggingface_hub import ModelCard
+
+    return ModelCard(text or "---\n---\n")
 
 
 def _tag_version(registered_model_name: str, version: str, tags: Mapping[str, str]) -> str:
@@ -466,13 +528,23 @@ def register_transformers_model(
     registered_model_name: str,
     input_example: str,
     tags: Mapping[str, str],
+    card: str = "",
 ) -> str:
     """Log a causal LM as an MLflow `transformers` text-generation model, register and tag it.
 
-    The signature is inferred from `input_example` (a prompt). Returns the version.
+    The signature (a prompt in, its generated text out), pip requirements (the installed
+    versions of what the pipeline loads the model with) and model card (from `card`, a markdown
+    text) are given, not inferred: MLflow would otherwise run the model on `input_example`,
+    load it again in a subprocess to see what it imports, and look the card up on the Hub by
+    the model's name. Returns the version.
     """
     import mlflow
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
 
+    requirements = ["torch", "transformers", "tokenizers", "accelerate", "safetensors"]
+    if type(model).__module__.startswith("peft"):
+        requirements.append("peft")
     mlflow.set_tracking_uri(tracking_uri())
     with store_lock(), mlflow.start_run(run_id=run_id):
         info = mlflow.transformers.log_model(
@@ -480,6 +552,9 @@ def register_transformers_model(
             name="model",
             task="text-generation",
             input_example=input_example,
+            signature=ModelSignature(Schema([ColSpec("string")]), Schema([ColSpec("string")])),
+            pip_requirements=pinned_requirements(*requirements),
+            model_card=_model_card(card),
             registered_model_name=registered_model_name,
         )
     return _tag_version(registered_model_name, str(info.registered_model_version), tags)
