@@ -33,7 +33,7 @@ from pydantic import BaseModel, Field
 
 from flows.techniques import techniques
 from tasks.reporting import figure_markdown, publish_summary
-from trainflow import checkpoint, tracking
+from trainflow import checkpoint, launcher, tracking
 from trainflow.gate import gate_failures
 from trainflow.paths import RUN_CONFIG_FILE, STOP_FILE, read_run_config, run_output_dir
 from trainflow.resources import check_cpu_oversubscription, resolve_resources
@@ -133,13 +133,16 @@ def tracked_run(
     }
     if config.parent_run_id:
         tags[tracking.PARENT_RUN_TAG] = config.parent_run_id
-    with tracking.pipeline_run(
-        config.experiment_name,
-        run_name=f"{workload.name}-{technique}-{flow_run.get_name() or 'local'}",
-        params=config.model_dump(),
-        tags=tags,
-        resume_run_id=resume,
-    ) as run_id:
+    with (
+        _agent_ahead(workload, config),
+        tracking.pipeline_run(
+            config.experiment_name,
+            run_name=f"{workload.name}-{technique}-{flow_run.get_name() or 'local'}",
+            params=config.model_dump(),
+            tags=tags,
+            resume_run_id=resume,
+        ) as run_id,
+    ):
         output_dir = run_output_dir(workload.name, run_id)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / STOP_FILE).unlink(missing_ok=True)  # an earlier stop, not this run's
@@ -160,6 +163,21 @@ def tracked_run(
             raise
         for future in run.pending:
             future.result()  # a step that failed beside the others fails the run
+
+
+@contextlib.contextmanager
+def _agent_ahead(workload: WorkloadSpec, config: Any) -> Iterator[None]:
+    """Start the training launch's agent now, importing the workload's modules while the run
+    opens; the launch uses it, or it is stopped when the run ends. Not when the launch waits
+    for rank slots (a sweep's trials queue there)."""
+    if config.gpu_pool is not None:
+        yield
+        return
+    discard = launcher.standby(config.resources.launch_options(), [workload.module])
+    try:
+        yield
+    finally:
+        discard()
 
 
 def check_resumable(workload: WorkloadSpec, config: Any, run_id: str) -> None:

@@ -7,6 +7,8 @@ and the caller's process keeps no elastic signal handlers or multiprocessing hel
 
 import contextlib
 import ctypes
+import importlib
+import json
 import os
 import signal
 import sys
@@ -60,11 +62,16 @@ def _stop_descendants(grace_s: float = 3.0) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
-def _exit_with_parent(parent_pid: int, rd: RunDir) -> None:
+# The launch this agent runs, once it knows it (a standby agent learns it when claimed).
+_run_dir: RunDir | None = None
+
+
+def _exit_with_parent(parent_pid: int) -> None:
     """If the caller dies without stopping us (SIGKILL, OOM), take everything down."""
     while True:
         if os.getppid() != parent_pid:
-            rd.payload.unlink(missing_ok=True)  # the caller cannot remove it any more
+            if _run_dir is not None:
+                _run_dir.payload.unlink(missing_ok=True)  # the caller cannot remove it any more
             _stop_descendants(grace_s=0)  # as if the machine were lost: no final checkpoint
             os.killpg(os.getpgrp(), signal.SIGKILL)
         time.sleep(0.5)
@@ -82,11 +89,50 @@ def _kill_workers(agent: LocalElasticAgent, worker_group: WorkerGroup) -> None:
     agent._shutdown(death_sig=signal.SIGKILL)
 
 
-def main(run_dir: str) -> int:
+def standby(log: str, preload: list[str]) -> int:
+    """Import `preload` now, then run the launch whose folder the caller writes to stdin.
+
+    An import that fails here is left for the ranks, which raise it with their rank's context.
+    Output so far (warnings of the imports) goes to the launch's agent log once it is known.
+    """
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    started = time.monotonic()
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            print(f"standby agent: could not import {name}: {exc!r}", flush=True)
+    took = time.monotonic() - started
+    print(f"standby agent: imported {', '.join(preload) or 'nothing'} in {took:.1f}s", flush=True)
+    line = sys.stdin.readline().strip()
+    if not line:
+        return 0  # not needed after all
+    claim = json.loads(line)
+    run_dir = claim["run_dir"]
+    os.environ.clear()
+    os.environ.update(claim["env"])  # the caller's as of the launch; the ranks inherit it
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
     rd = RunDir(Path(run_dir))
+    early = Path(log)
+    with contextlib.suppress(OSError):
+        rd.agent_log.write_bytes(early.read_bytes())
+    fd = os.open(rd.agent_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    early.unlink(missing_ok=True)
+    return main(run_dir, watching=True)
+
+
+def main(run_dir: str, watching: bool = False) -> int:
+    global _run_dir
+    rd = _run_dir = RunDir(Path(run_dir))
     spec = rd.read_spec()
     _adopt_orphans()
-    threading.Thread(target=_exit_with_parent, args=(spec["caller_pid"], rd), daemon=True).start()
+    if not watching:
+        threading.Thread(target=_exit_with_parent, args=(spec["caller_pid"],), daemon=True).start()
     LocalElasticAgent._stop_workers = _kill_workers  # type: ignore[method-assign]
     # torch's process starter gives each rank a `pytorch-errorfile-*.pickle` in the temp folder
     # for its traceback and never removes it: keep those with this launch's logs. Ranks go back
@@ -124,4 +170,6 @@ def main(run_dir: str) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--standby":
+        sys.exit(standby(sys.argv[2], sys.argv[3:]))
     sys.exit(main(sys.argv[1]))

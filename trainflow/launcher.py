@@ -43,6 +43,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 import uuid
@@ -83,6 +84,7 @@ LineSink = Callable[[int, str], None]
 
 RDZV_ENDPOINT_ENV = "TRAINFLOW_RDZV_ENDPOINT"
 RUN_ID_ENV = "TRAINFLOW_RUN_ID"
+STANDBY_ENV = "TRAINFLOW_STANDBY"
 START_METHOD_ENV = "TRAINFLOW_START_METHOD"
 KEEP_RUNS_ENV = "TRAINFLOW_KEEP_RUNS"
 REMOTE_DEPLOYMENT_ENV = "TRAINFLOW_REMOTE_DEPLOYMENT"
@@ -627,6 +629,131 @@ def _tail(path: Path, num_lines: int = 30) -> str:
     return "\n".join(lines[-num_lines:])
 
 
+def _launch_env(options: LaunchOptions, res: LaunchPlan) -> dict[str, str]:
+    """What the agent and its ranks get on top of the caller's environment."""
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        "TRAINFLOW_DEVICE": res.device,
+        "PYTHONPATH": os.pathsep.join(_caller_sys_path()),
+    }
+    if res.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # what torchrun does, to avoid oversubscription
+    if res.device == "cpu":
+        # What accelerate (the Hugging Face Trainer) and DeepSpeed read to run as CPU ranks;
+        # without them the Trainer trains alone on each rank.
+        env.update(CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="true", DS_ACCELERATOR="cpu")
+    env.update(options.env)
+    return env
+
+
+def _start_method(res: LaunchPlan) -> str:
+    """fork on CPU: ranks start ~2x sooner, as torch is already imported in the agent.
+
+    spawn on GPUs, the method torch recommends with CUDA, where start-up time is small next
+    to training. TRAINFLOW_START_METHOD overrides either.
+    """
+    method = os.environ.get(START_METHOD_ENV) or ("fork" if res.device == "cpu" else "spawn")
+    if method not in ("fork", "spawn", "forkserver"):
+        raise LaunchConfigError(f"{START_METHOD_ENV}={method!r}: use fork, spawn or forkserver")
+    return method
+
+
+class _Standby:
+    """An agent started before its launch is asked for, importing what the ranks will need.
+
+    A pipeline knows how it will train (the ranks' environment, the workload's modules) long
+    before it launches: it still prepares data and opens its MLflow run. An agent started then
+    imports torch's elastic agent and the workload's modules meanwhile, and its ranks, forked
+    from it, start with them loaded (on CPU ranks; spawned GPU ranks import their own).
+
+    The launch whose environment, working directory and start method are the ones it was
+    started with claims it (`_claim_standby`); otherwise it is discarded. It exits with the
+    process that started it, like any agent.
+    """
+
+    def __init__(self, env: dict[str, str], start_method: str, preload: Sequence[str]):
+        self.env = env  # what the launch adds to the caller's environment
+        self.cwd = os.getcwd()
+        self.start_method = start_method
+        runs = trainflow_home() / "runs"
+        runs.mkdir(parents=True, exist_ok=True)
+        self.log = runs / f".standby-{os.getpid()}-{uuid.uuid4().hex[:8]}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "trainflow._agent", "--standby", str(self.log), *preload],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **env},
+            )
+
+    def fits(self, env: dict[str, str], start_method: str) -> bool:
+        return (
+            self.proc.poll() is None
+            and env == self.env
+            and start_method == self.start_method
+            and os.getcwd() == self.cwd
+        )
+
+    def claim(self, rd: RunDir) -> subprocess.Popen:
+        """Hand the agent its launch folder and the caller's environment as it is now (MLflow
+        and Prefect set theirs meanwhile); it runs that launch from here on. The environment
+        goes through the pipe, never to disk: it can hold tokens."""
+        assert self.proc.stdin is not None
+        message = {"run_dir": str(rd.path), "env": {**os.environ, **self.env}}
+        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+        self.proc.stdin.close()
+        return self.proc
+
+    def discard(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        kill_process_group(self.proc.pid)
+        self.proc.wait()
+        self.log.unlink(missing_ok=True)
+
+
+_standbys: list[_Standby] = []
+_standbys_lock = threading.Lock()
+
+
+def standby(options: LaunchOptions, preload: Sequence[str] = ()) -> Callable[[], None]:
+    """Start the agent of a launch with `options` now, importing `preload` (module names).
+
+    The next `launch` with the same options in this process and working directory uses it
+    (any thread); a launch with other options starts its own. Returns a call that stops the
+    agent if no launch has used it (call it when the launch will not come, e.g. when the
+    pipeline ends). Nothing happens for remote launches, or with TRAINFLOW_STANDBY=0.
+    """
+    if options.remote or os.environ.get(STANDBY_ENV) == "0":
+        return lambda: None
+    res = resolve_resources(options.gpus, options.gpu_type, options.nnodes)
+    agent = _Standby(_launch_env(options, res), _start_method(res), preload)
+    with _standbys_lock:
+        _standbys.append(agent)
+
+    def discard() -> None:
+        with _standbys_lock:
+            if agent not in _standbys:
+                return  # claimed
+            _standbys.remove(agent)
+        agent.discard()
+
+    return discard
+
+
+def _claim_standby(env: dict[str, str], start_method: str, rd: RunDir) -> subprocess.Popen | None:
+    """The process of a standby agent that fits this launch, now running it; else None."""
+    with _standbys_lock:
+        for agent in _standbys:
+            if agent.fits(env, start_method):
+                _standbys.remove(agent)
+                return agent.claim(rd)
+    return None
+
+
 class _Launch:
     """One supervised launch: plan, start, watch, stop, collect."""
 
@@ -648,33 +775,6 @@ class _Launch:
             )
         return endpoint, run_id
 
-    def _env(self, res: LaunchPlan) -> dict[str, str]:
-        env = {
-            "PYTHONUNBUFFERED": "1",
-            "TRAINFLOW_DEVICE": res.device,
-            "PYTHONPATH": os.pathsep.join(_caller_sys_path()),
-        }
-        if res.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = "1"  # what torchrun does, to avoid oversubscription
-        if res.device == "cpu":
-            # What accelerate (the Hugging Face Trainer) and DeepSpeed read to run as CPU ranks;
-            # without them the Trainer trains alone on each rank.
-            env.update(CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="true", DS_ACCELERATOR="cpu")
-        env.update(self.options.env)
-        return env
-
-    @staticmethod
-    def _start_method(res: LaunchPlan) -> str:
-        """fork on CPU: ranks start ~2x sooner, as torch is already imported in the agent.
-
-        spawn on GPUs, the method torch recommends with CUDA, where start-up time is small next
-        to training. TRAINFLOW_START_METHOD overrides either.
-        """
-        method = os.environ.get(START_METHOD_ENV) or ("fork" if res.device == "cpu" else "spawn")
-        if method not in ("fork", "spawn", "forkserver"):
-            raise LaunchConfigError(f"{START_METHOD_ENV}={method!r}: use fork, spawn or forkserver")
-        return method
-
     def run(self, args: tuple, kwargs: dict) -> LaunchResult:
         opts = self.options
         res = resolve_resources(opts.gpus, opts.gpu_type, opts.nnodes)
@@ -683,7 +783,8 @@ class _Launch:
         code_files, sources = _shipped_sources(codes)
         prune_run_dirs(trainflow_home() / "runs", keep_run_dirs())
         endpoint, run_id = self._rendezvous()
-        env = self._env(res)
+        env = _launch_env(opts, res)
+        start_method = _start_method(res)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         rd = RunDir(trainflow_home() / "runs" / f"{stamp}-{self.name}-{uuid.uuid4().hex[:8]}")
         rd.create(
@@ -702,7 +803,7 @@ class _Launch:
                 "collective_timeout_s": opts.collective_timeout,
                 "hang_timeout_s": opts.hang_timeout,
                 "init_process_group": opts.init_process_group,
-                "start_method": self._start_method(res),
+                "start_method": start_method,
                 "sys_path": _caller_sys_path(),
                 "code_files": code_files,
                 # Names only: values (tokens, keys) travel in the agent's environment and are
@@ -717,15 +818,17 @@ class _Launch:
         self._tail = _LogTail(rd, self.sink)
         self._gone_at_failure: list[int] = []
         self.shipped = _shipped_code(codes)
-        with open(rd.agent_log, "wb") as agent_log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "trainflow._agent", str(rd.path)],
-                stdin=subprocess.DEVNULL,
-                stdout=agent_log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, **env},
-            )
+        proc = _claim_standby(env, start_method, rd)
+        if proc is None:
+            with open(rd.agent_log, "wb") as agent_log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "trainflow._agent", str(rd.path)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=agent_log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env={**os.environ, **env},
+                )
         verdict: LaunchError | None = None
         try:
             try:

@@ -1,0 +1,91 @@
+"""An agent started ahead of its launch (`launcher.standby`): used, passed over, or stopped."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+
+from trainflow import runtime
+from trainflow.launcher import LaunchOptions, launch, standby
+from trainflow.paths import trainflow_home
+
+OPTIONS = LaunchOptions(gpus=2, gpu_type="cpu", timeout=120)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _standby_pids() -> list[int]:
+    return [
+        p.pid
+        for p in psutil.Process().children()
+        if "--standby" in " ".join(p.cmdline()) and _alive(p.pid)
+    ]
+
+
+def _what_the_rank_sees() -> dict:
+    return {
+        "rank": runtime.get_global_rank(),
+        "late": os.environ.get("SET_AFTER_STANDBY"),
+        "preloaded": "tests.unit.conftest_data" in sys.modules,
+    }
+
+
+def test_a_launch_uses_the_agent_started_ahead_with_the_environment_of_the_launch(monkeypatch):
+    discard = standby(OPTIONS, ["tests.unit.conftest_data"])
+    (pid,) = _standby_pids()
+    # Set after the agent started (as MLflow sets its tracking URI): the ranks still get it.
+    monkeypatch.setenv("SET_AFTER_STANDBY", "yes")
+    result = launch(_what_the_rank_sees, options=OPTIONS, on_line=lambda r, line: None)
+    assert result.values == [
+        {"rank": 0, "late": "yes", "preloaded": True},
+        {"rank": 1, "late": "yes", "preloaded": True},
+    ]
+    agent_log = (result.run_dir / "agent.log").read_text()
+    assert "standby agent: imported tests.unit.conftest_data" in agent_log
+    assert not _alive(pid)  # it ran the launch and ended with it
+    discard()  # used: nothing left to stop
+    assert not list((trainflow_home() / "runs").glob(".standby-*"))
+
+
+def test_a_launch_with_other_options_starts_its_own_agent_and_the_unused_one_is_stopped():
+    discard = standby(LaunchOptions(gpus=2, gpu_type="cpu", env={"SETTING": "a"}))
+    (pid,) = _standby_pids()
+    other = LaunchOptions(gpus=2, gpu_type="cpu", timeout=120, env={"SETTING": "b"})
+    result = launch(_what_the_rank_sees, options=other, on_line=lambda r, line: None)
+    assert [v["rank"] for v in result.values] == [0, 1]
+    assert "standby agent" not in (result.run_dir / "agent.log").read_text()
+    assert _alive(pid)
+    discard()
+    assert not _alive(pid)
+    assert not list((trainflow_home() / "runs").glob(".standby-*"))
+
+
+def test_the_agent_started_ahead_ends_when_its_caller_is_killed(tmp_path):
+    script = textwrap.dedent(
+        """
+        import os, signal, sys, time
+        from trainflow.launcher import LaunchOptions, standby, _standbys
+        standby(LaunchOptions(gpus=2, gpu_type="cpu"), ["json"])
+        print(_standbys[0].proc.pid, flush=True)
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid), "the standby agent outlived the process that started it"
