@@ -8,9 +8,13 @@ Prints one JSON line (samples/s; higher is better):
 - read_arrow_sps: the same rows and columns as a `datasets` Arrow table through a torch
   `DataLoader` with the same `PadCollate` (batch 64, one process, best of 3 passes);
 - convert_task_sps: JSONL -> chat tokens -> published MDS through the `prepare-dataset` Prefect
-  task (cache refreshed, so it does the work; the Prefect server's start-up is not counted);
-- convert_plain_sps: the same rows through a plain loop of `apply_chat_template` (assistant
-  mask from the template's generation markers) and `MDSWriter.write`.
+  task with its defaults (one process per core; cache refreshed, so it does the work; the
+  Prefect server's start-up is not counted);
+- convert_plain_sps: the same rows through a plain one-process loop of batched
+  `apply_chat_template` (assistant mask from the template's generation markers) and
+  `MDSWriter.write` with the task's compression, shard size and hashes; the run stops if the
+  two wrote different samples;
+- read_mds_over_arrow, convert_task_over_plain: the ratios, measured side by side in this run.
 Everything runs in a temporary TRAINFLOW_HOME and PREFECT_HOME.
 """
 
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Conversations per tokenizer call in the plain loop (the task's map batches 1000 as well).
+PLAIN_BATCH = 1000
 
 
 def _best_rate(loader: Iterable[dict[str, Any]], repeats: int = 3) -> float:
@@ -86,22 +92,36 @@ def main() -> None:
     result = run_task(config.model_copy(update={"output_root": str(scratch / "task")}))
     convert_task = args.rows / (time.perf_counter() - start)
 
+    # The task's work, written by hand: the same rows, the same batched chat-template
+    # tokenization and answer masks, columns, compression, shard size and shard hashes.
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     columns = {"id": "int64", "input_ids": "ndarray:int32", "assistant_masks": "ndarray:uint8"}
     start = time.perf_counter()
-    with MDSWriter(out=str(scratch / "plain"), columns=columns, compression="zstd") as writer:
-        for line in source.read_text().splitlines():
-            row = json.loads(line)
+    lines = source.read_text().splitlines()
+    with MDSWriter(
+        out=str(scratch / "plain"),
+        columns=columns,
+        compression=config.compression,
+        hashes=config.hashes,
+        size_limit=config.shard_size,
+    ) as writer:
+        for first in range(0, len(lines), PLAIN_BATCH):
+            batch = [json.loads(line) for line in lines[first : first + PLAIN_BATCH]]
             encoded = tokenizer.apply_chat_template(
-                row["messages"], return_dict=True, return_assistant_tokens_mask=True
+                [row["messages"] for row in batch],
+                return_dict=True,
+                return_assistant_tokens_mask=True,
             )
-            writer.write(
-                {
-                    "id": row["id"],
-                    "input_ids": np.asarray(encoded["input_ids"], np.int32),
-                    "assistant_masks": np.asarray(encoded["assistant_masks"], np.uint8),
-                }
-            )
+            for row, ids, mask in zip(
+                batch, encoded["input_ids"], encoded["assistant_masks"], strict=True
+            ):
+                writer.write(
+                    {
+                        "id": row["id"],
+                        "input_ids": np.asarray(ids, np.int32),
+                        "assistant_masks": np.asarray(mask, np.uint8),
+                    }
+                )
     convert_plain = args.rows / (time.perf_counter() - start)
 
     loader = build_dataloader(result.uri, "train", LoaderConfig(batch_size=64, shuffle=False))
@@ -110,6 +130,11 @@ def main() -> None:
     # The very same rows and columns as an Arrow table, through the same collate into tensors.
     mds = StreamingDataset(local=str(Path(result.uri) / "train"), batch_size=64)
     samples = [mds[i] for i in range(mds.num_samples)]
+    plain = StreamingDataset(local=str(scratch / "plain"), batch_size=64)
+    if plain.num_samples != len(samples) or any(
+        not all(np.array_equal(plain[i][c], s[c]) for c in columns) for i, s in enumerate(samples)
+    ):
+        raise SystemExit("the plain loop and the task wrote different samples: not the same work")
     arrow = datasets.Dataset.from_dict(
         {c: [s[c].tolist() if c != "id" else int(s[c]) for s in samples] for c in columns}
     ).with_format("numpy")

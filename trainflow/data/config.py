@@ -224,7 +224,11 @@ class DataConfig(_Model):
         "None means $TRAINFLOW_HOME/datasets.",
     )
     num_proc: int | None = Field(
-        None, ge=1, description="Processes for the tokenizing map (None: this process only)."
+        None,
+        ge=1,
+        description="Processes that tokenize and write each split (1: this process only; "
+        "None: one per available core, each with at least 4000 rows). The shards' samples and "
+        "their order do not depend on it.",
     )
     test: ValidationSplit | None = Field(
         None,

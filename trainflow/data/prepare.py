@@ -12,12 +12,17 @@ second call with the same inputs finds the published manifest and does no work.
 import hashlib
 import json
 import logging
+import multiprocessing
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
 from streaming import MDSWriter
+from streaming.base.util import merge_index
 
 from trainflow.data.config import (
     ChatTransform,
@@ -28,14 +33,23 @@ from trainflow.data.config import (
 )
 from trainflow.data.paths import default_datasets_root, join_uri
 from trainflow.data.sources import load_source, source_fingerprint
-from trainflow.data.store import FORMAT_VERSION, check_writable, publishing, read_manifest
+from trainflow.data.store import (
+    FORMAT_VERSION,
+    Out,
+    Publication,
+    check_writable,
+    publishing,
+    read_manifest,
+)
 from trainflow.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-from trainflow.data.transforms import apply_transform, output_columns
+from trainflow.data.transforms import apply_transform, num_processes, output_columns
 
 logger = logging.getLogger(__name__)
 
 # Options that decide where and how fast a dataset is built, but not its content.
 _NOT_CONTENT = {"output_root": True, "num_proc": True, "source": True}
+# Rows turned from Arrow into samples at a time by a writer.
+_WRITE_BATCH = 4096
 
 
 def output_root(config: DataConfig) -> str:
@@ -94,17 +108,74 @@ def _result(uri: str, manifest: dict[str, Any], cache_hit: bool) -> PreparedData
     )
 
 
-def _samples(ds: datasets.Dataset, columns: dict[str, str]) -> Any:
-    """Rows as MDS samples: numpy arrays of the declared dtype for ndarray columns."""
-    array_types = {
-        c: np.dtype(t.split(":", 1)[1]) for c, t in columns.items() if t.startswith("ndarray")
+def _column_values(table: pa.Table, column: str, encoding: str) -> Sequence[Any]:
+    """One column of `table` as the values `MDSWriter` encodes, one per row.
+
+    Lists become numpy views of the declared dtype into one flat buffer (no per-row Python
+    lists), numbers numpy scalars, text and bytes Python objects.
+    """
+    chunked = table.column(column)
+    if encoding.startswith("ndarray:"):
+        lists = chunked.combine_chunks()
+        flat = lists.flatten().to_numpy(zero_copy_only=False)
+        flat = flat.astype(np.dtype(encoding.split(":", 1)[1]), copy=False)
+        bounds = lists.offsets.to_numpy()
+        bounds = bounds - bounds[0]  # a sliced array's offsets start inside its values
+        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    if encoding in ("str", "bytes"):
+        return chunked.to_pylist()
+    return chunked.to_numpy()
+
+
+def _write_part(ds: datasets.Dataset, columns: dict[str, str], out: Out, options: Any) -> None:
+    """Write `ds`'s rows, in order, as one MDS dataset at `out` (runs in a writer process)."""
+    with MDSWriter(out=out, columns=columns, keep_local=True, exist_ok=True, **options) as writer:
+        for table in ds.with_format("arrow").iter(batch_size=_WRITE_BATCH):
+            values = [_column_values(table, c, t) for c, t in columns.items()]
+            for row in zip(*values, strict=True):
+                writer.write(dict(zip(columns, row, strict=True)))
+
+
+def _write_split(
+    publication: Publication,
+    split: str,
+    ds: datasets.Dataset,
+    columns: dict[str, str],
+    config: DataConfig,
+) -> None:
+    """Write one split's rows in order: in this process, or in parts by parallel writers.
+
+    With several processes each writes a contiguous part (`<split>/part-00000/`, ...) and
+    streaming's `merge_index` joins their indexes into the split's `index.json`, parts in
+    order, so readers see the same samples in the same order as from one writer. A writer that
+    fails or dies fails the whole split, and nothing is published.
+    """
+    options = {
+        "compression": config.compression,
+        "hashes": config.hashes,
+        "size_limit": config.shard_size,
     }
-    for batch in ds.with_format("numpy").iter(batch_size=1024):
-        for i in range(len(batch["id"])):
-            sample = {c: batch[c][i] for c in columns}
-            for c, dtype in array_types.items():
-                sample[c] = np.asarray(sample[c], dtype=dtype)
-            yield sample
+    processes = num_processes(config, len(ds))
+    if processes is None:
+        _write_part(ds, columns, publication.out(split), options)
+        return
+    parts = [f"part-{i:05d}" for i in range(processes)]
+    # Fork: the writers inherit the imported modules instead of importing torch again.
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = [
+            pool.submit(
+                _write_part,
+                ds.shard(processes, i, contiguous=True),
+                columns,
+                publication.out(split, part),
+                options,
+            )
+            for i, part in enumerate(parts)
+        ]
+        for future in futures:
+            future.result()
+    indexes = [publication.out(split, part, "index.json") for part in parts]
+    merge_index(indexes, publication.out(split), keep_local=True)
 
 
 def _split_bytes(split_dir: Path) -> int:
@@ -166,17 +237,7 @@ def prepare_dataset(config: DataConfig, fingerprint: str | None = None) -> Prepa
     )
     with publishing(uri, manifest) as publication:
         for split, (ds, num_dropped) in transformed.items():
-            with MDSWriter(
-                out=publication.out(split),
-                columns=columns,
-                compression=config.compression,
-                hashes=config.hashes,
-                size_limit=config.shard_size,
-                keep_local=True,
-                exist_ok=True,
-            ) as writer:
-                for sample in _samples(ds, columns):
-                    writer.write(sample)
+            _write_split(publication, split, ds, columns, config)
             manifest["splits"][split] = {
                 "num_samples": len(ds),
                 "num_dropped": num_dropped,

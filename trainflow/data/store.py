@@ -32,7 +32,11 @@ from trainflow.data.errors import DataError
 from trainflow.data.paths import is_remote, join_uri
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+# 2: chat templates with `{% generation %}` blocks mark answers by them; splits may be in parts.
+FORMAT_VERSION = 2
+
+# A local path, or (local scratch path, remote URI) for object storage.
+Out = str | tuple[str, str]
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +115,13 @@ class Publication:
         self.uri = uri
         self.staging = staging
 
-    def out(self, split: str) -> str | tuple[str, str]:
-        """`MDSWriter`'s `out` for one split: a local dir, or (scratch dir, remote prefix)."""
-        local = str(self.staging / split)
-        return (local, join_uri(self.uri, split)) if is_remote(self.uri) else local
+    def out(self, split: str, *parts: str) -> Out:
+        """Where a split (or a path under it) is written: a local path, or (scratch, remote).
+
+        The form `MDSWriter`'s and `merge_index`'s `out` take.
+        """
+        local = str(self.staging.joinpath(split, *parts))
+        return (local, join_uri(self.uri, split, *parts)) if is_remote(self.uri) else local
 
     def local_split_dir(self, split: str) -> Path:
         """Local directory holding the split's index and shards after writing."""
