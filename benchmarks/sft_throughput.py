@@ -1,14 +1,23 @@
 """SFT training throughput: the pipeline's training step vs a plain `torchrun` + `SFTTrainer`.
 
-Both train the same tiny Llama (same seed) on the shipped instruction data with the same
-tokenizer, batch, steps and optimizer on 2 ranks; the plain side reads all rows of the JSONL,
-the pipeline its prepared train split (the same rows less the 10% held out). The pipeline
-side runs `trainflow.workloads.sft.train` under our launcher with DDP, reading the prepared
-MDS shards and logging to a real MLflow run from rank 0; the plain side is a script that
-hands the JSONL to `SFTTrainer` itself (`assistant_only_loss`). Tokens/s counts the tokens
-seen per second of `train_runtime` (start-up excluded on both sides). Prints one JSON line::
+Both sides do the same work: the same tiny Llama (same seed), the same rows in the same
+order, the same tokens, answer-only labels and padding (TRL's collator pads each batch to its
+longest row), the same Trainer settings (every one that shapes the optimisation: checked,
+see `SAME_SETTINGS_EXCEPT`), the same steps, on 2 ranks.
 
-    python -m benchmarks.sft_throughput [--steps 60] [--gpus 2]
+- Pipeline: `trainflow.workloads.sft.train` under our launcher with DDP, reading the prepared
+  MDS shards (each rank streams its own partition) and logging to a real MLflow run from
+  rank 0. Each rank records the sample ids of every batch it trained on.
+- Plain: a script under `torchrun` that loads those rows, already tokenized, from a JSONL
+  file (rank 0's batches, then rank 1's), streams it as an iterable dataset with one shard
+  per rank, and hands it to `SFTTrainer`, which builds the labels from `assistant_masks`.
+
+Tokens/s counts non-padding tokens (TRL's `num_tokens`, summed over the ranks) per second of
+the Trainer's `train_runtime` (start-up excluded) on both sides. The sides run alternately,
+`--repeats` times each, and the fastest run of each counts, so that other work on the machine
+weighs on both alike. Prints one JSON line::
+
+    python -m benchmarks.sft_throughput [--steps 60] [--gpus 2] [--repeats 2]
 """
 
 import argparse
@@ -18,13 +27,34 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_IDS = "sample_ids_rank{rank}.json"
+FIRST_BATCH = "first_batch_rank{rank}.pt"
+# Trainer settings allowed to differ: where files go, how the pipeline checkpoints and feeds
+# its own loader, and how the plain side tells TRL its rows carry assistant masks.
+SAME_SETTINGS_EXCEPT = frozenset(
+    {
+        "output_dir",
+        "logging_dir",
+        "run_name",
+        "save_strategy",
+        "save_steps",
+        "save_total_limit",
+        "ignore_data_skip",
+        "dataset_kwargs",
+        "accelerator_config",
+        "assistant_only_loss",
+        "ddp_backend",
+    }
+)
 
 
-def plain(steps: int, out: str) -> None:
-    """Rank body of the plain script (run by torchrun)."""
+def plain(steps: int, rows_file: str, out: str, dump_first_batch: bool) -> None:
+    """Rank body of the plain script (run by torchrun): SFTTrainer on pre-tokenized rows."""
     import datasets
+    import torch
     from trl import SFTConfig, SFTTrainer
 
     from trainflow.data.tokenizer import load_tokenizer
@@ -32,43 +62,85 @@ def plain(steps: int, out: str) -> None:
     from trainflow.workloads.sft import load_sft_preset
 
     config = load_sft_preset("debug_cpu")
-    t = config.training
+    t, opt = config.training, config.training.optimizer
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    on_cpu = os.environ.get("TRAINFLOW_DEVICE", "cpu") == "cpu"
     tokenizer = load_tokenizer(str(REPO_ROOT / "data" / "tokenizer"))
     model = build_causal_lm(config.model, tokenizer, seed=t.seed)
-    rows = datasets.load_dataset(
-        "json", data_files=str(REPO_ROOT / "data" / "instructions.jsonl"), split="train"
+    rows = datasets.load_dataset("json", data_files=rows_file, split="train")
+    args = SFTConfig(
+        output_dir=tempfile.mkdtemp(),
+        max_steps=steps,
+        per_device_train_batch_size=t.per_device_batch_size,
+        gradient_accumulation_steps=t.grad_accum_steps,
+        learning_rate=opt.learning_rate,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.betas[0],
+        adam_beta2=opt.betas[1],
+        adam_epsilon=opt.eps,
+        warmup_steps=t.warmup_steps,
+        lr_scheduler_type=t.lr_scheduler,
+        logging_steps=t.logging_steps,
+        seed=t.seed,
+        data_seed=t.seed,
+        save_strategy="no",
+        report_to=[],
+        max_length=config.max_length,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        use_cpu=on_cpu,
+        ddp_backend="gloo" if on_cpu else "nccl",
+        ddp_bucket_cap_mb=25,
+        ddp_find_unused_parameters=False,
+        # Each rank reads its own shard of the stream, as the pipeline's ranks do.
+        accelerator_config={"dispatch_batches": False},
     )
-    on_cpu = os.environ.get("TRAINFLOW_DEVICE", "cpu") == "cpu"
+    settings = args.to_dict()  # as written: the Trainer fills in some defaults itself
     trainer = SFTTrainer(
         model=model,
-        args=SFTConfig(
-            output_dir=tempfile.mkdtemp(),
-            max_steps=steps,
-            per_device_train_batch_size=t.per_device_batch_size,
-            learning_rate=t.optimizer.learning_rate,
-            warmup_steps=t.warmup_steps,
-            lr_scheduler_type=t.lr_scheduler,
-            logging_steps=t.logging_steps,
-            save_strategy="no",
-            report_to=[],
-            max_length=config.max_length,
-            assistant_only_loss=True,
-            use_cpu=on_cpu,
-            ddp_backend="gloo" if on_cpu else "nccl",
-            disable_tqdm=True,
-        ),
-        train_dataset=rows.select_columns(["messages"]),
+        args=args,
+        train_dataset=rows.to_iterable_dataset(num_shards=world),
         processing_class=tokenizer,
     )
+    if dump_first_batch:
+        first = next(iter(trainer.get_train_dataloader()))
+        torch.save(dict(first), Path(out) / FIRST_BATCH.format(rank=rank))
     output = trainer.train()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank == 0:
         tokens = max(h.get("num_tokens", 0.0) for h in trainer.state.log_history)
-        Path(out).write_text(
-            json.dumps({"tokens": tokens, "runtime_s": output.metrics["train_runtime"]})
+        (Path(out) / "plain.json").write_text(
+            json.dumps(
+                {
+                    "tokens": tokens,
+                    "runtime_s": output.metrics["train_runtime"],
+                    "settings": settings,
+                },
+                default=str,
+            )
         )
 
 
-def pipeline_step(steps: int, gpus: int) -> dict[str, float]:
+def recorded_train(job: Any, strategy: Any, **kwargs: Any) -> Any:
+    """`sft.train` on this rank, recording the sample ids of every batch it trained on."""
+    from trainflow import runtime
+    from trainflow.workloads import sft
+
+    sft.sample_log.start()
+    result = sft.train(job, strategy, **kwargs)
+    ids = Path(kwargs["output_dir"]) / SAMPLE_IDS.format(rank=runtime.get_global_rank())
+    ids.write_text(json.dumps(sft.sample_log.ids))
+    return result
+
+
+def pipeline_config(steps: int, gpus: int) -> Any:
+    """The debug preset with `steps` optimizer steps on `gpus` ranks."""
+    from trainflow.workloads import sft
+
+    preset = sft.load_sft_preset("debug_cpu").model_dump()
+    return sft.SFTConfig.model_validate(preset | {"max_steps": steps, "gpus": gpus})
+
+
+def pipeline_step(steps: int, gpus: int) -> dict[str, Any]:
     """The pipeline's training step: prepared shards, our launcher, DDP, rank-0 MLflow sink."""
     from trainflow import launch
     from trainflow.data import prepare_dataset
@@ -77,16 +149,15 @@ def pipeline_step(steps: int, gpus: int) -> dict[str, float]:
     from trainflow.tracking import pipeline_run
     from trainflow.workloads import sft
 
-    config = sft.SFTConfig.model_validate(
-        sft.load_sft_preset("debug_cpu").model_dump() | {"max_steps": steps, "gpus": gpus}
-    )
+    config = pipeline_config(steps, gpus)
     data = prepare_dataset(config.data_config())
     with pipeline_run("sft-benchmark", "throughput", params={}) as run_id:
+        output_dir = trainflow_home() / "outputs" / "sft-benchmark" / run_id
         workload = Workload(
-            train_fn=sft.train,
+            train_fn="benchmarks.sft_throughput:recorded_train",
             model_fn=sft.build_model,
             config=sft.SFTJob(config=config, data=data),
-            output_dir=str(trainflow_home() / "outputs" / "sft-benchmark" / run_id),
+            output_dir=str(output_dir),
             framework="hf",
             mlflow_run_id=run_id,
         )
@@ -97,53 +168,163 @@ def pipeline_step(steps: int, gpus: int) -> dict[str, float]:
             on_line=lambda rank, line: print(f"[rank {rank}] {line}", file=sys.stderr),
         ).values[0]
     m = result.metrics
+    batches = [
+        json.loads((output_dir / SAMPLE_IDS.format(rank=r)).read_text()) for r in range(gpus)
+    ]
     return {
         "tokens": m["train_num_tokens"],
         "runtime_s": m["train_runtime"],
-        "data_wait_s": m["train_data_wait_s"],
+        "data_wait_share": m["eff_data_wait_share"],
         "logging_s": m["train_logging_s"],
+        "batches": batches,
+        "data_uri": data.uri,
     }
 
 
-def plain_step(steps: int, gpus: int) -> dict[str, float]:
-    """The same training in a plain script under `torchrun`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "plain.json")
-        subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-            + [f"--nproc-per-node={gpus}", "-m", "benchmarks.sft_throughput"]
-            + ["--plain-rank", out, "--steps", str(steps)],
-            cwd=REPO_ROOT,
-            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-            check=True,
-            capture_output=True,
+def train_rows(uri: str) -> dict[int, dict[str, Any]]:
+    """Every row of the prepared train split by sample id, as the pipeline's loader gives it."""
+    from trainflow.data import LoaderConfig, build_dataloader
+
+    read_all = LoaderConfig.model_validate({"batch_size": 256, "shuffle": False})
+    loader = build_dataloader(uri, "train", read_all, collate_fn=list)
+    return {int(s["id"]): s for batch in loader for s in batch}
+
+
+def write_plain_rows(
+    rows: dict[int, dict[str, Any]], batches: list[list[list[int]]], path: Path
+) -> None:
+    """The rows each rank trained on, tokenized, in its order: rank 0's batches, then rank 1's.
+
+    Raises:
+        ValueError: a rank trained on a short batch (the end of an epoch): the plain side
+            re-batches its shard in full batches, so it could not train on the same batches.
+    """
+    sizes = {len(batch) for rank in batches for batch in rank}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"batch sizes {sorted(sizes)}: the steps run past the end of an epoch; use fewer"
         )
-        return json.loads(Path(out).read_text())
+    with path.open("w") as f:
+        for rank in batches:
+            for batch in rank:
+                for i in batch:
+                    row = rows[i]
+                    line = {
+                        "input_ids": row["input_ids"].tolist(),
+                        "assistant_masks": row["assistant_masks"].tolist(),
+                    }
+                    f.write(json.dumps(line) + "\n")
+
+
+def plain_step(
+    steps: int, gpus: int, rows_file: Path, out: Path, dump_first_batch: bool
+) -> dict[str, Any]:
+    """The same training in a plain script under `torchrun`."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        + [f"--nproc-per-node={gpus}", "-m", "benchmarks.sft_throughput"]
+        + ["--plain-rank", str(rows_file), "--plain-out", str(out), "--steps", str(steps)]
+        + (["--dump-first-batch"] if dump_first_batch else []),
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the plain script failed:\n{proc.stderr[-4000:]}")
+    return json.loads((out / "plain.json").read_text())
+
+
+def different_settings(steps: int, gpus: int, plain_settings: dict[str, Any]) -> dict[str, Any]:
+    """Trainer settings the plain side has other than the pipeline's: {name: (ours, plain)}."""
+    from trainflow.strategies import build_strategy
+    from trainflow.workloads import sft
+
+    config = pipeline_config(steps, gpus)
+    strategy = build_strategy(config.technique)
+    model = sft.build_model(sft.SFTJob.model_construct(config=config))
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = sft._trainer_config(config, strategy, model, Path(tmp)).to_dict()
+    keys = (set(ours) | set(plain_settings)) - SAME_SETTINGS_EXCEPT
+    ours = json.loads(json.dumps(ours, default=str))
+    return {
+        k: (ours.get(k), plain_settings.get(k))
+        for k in sorted(keys)
+        if ours.get(k) != plain_settings.get(k)
+    }
+
+
+def tokens_per_s(side: dict[str, Any]) -> float:
+    """Non-padding tokens per second of the Trainer's `train_runtime`."""
+    return float(side["tokens"] / side["runtime_s"])
+
+
+def compare(
+    steps: int, gpus: int, out: Path, repeats: int = 1, dump_first_batch: bool = False
+) -> dict[str, Any]:
+    """Run both sides on the same work, alternately `repeats` times each; the fastest run of
+    each side (other work on the machine only ever slows a run down) and the settings that
+    differ.
+
+    Raises:
+        RuntimeError: a later pipeline run trained on other batches than the first one.
+    """
+    pipeline_runs: list[dict[str, Any]] = []
+    plain_runs: list[dict[str, Any]] = []
+    rows: dict[int, dict[str, Any]] = {}
+    rows_file = out / "rows.jsonl"
+    for _ in range(repeats):
+        ours = pipeline_step(steps, gpus)
+        if not pipeline_runs:
+            rows = train_rows(ours["data_uri"])
+            write_plain_rows(rows, ours["batches"], rows_file)
+        elif ours["batches"] != pipeline_runs[0]["batches"]:
+            raise RuntimeError("the pipeline drew other batches than in its first run")
+        pipeline_runs.append(ours)
+        plain_runs.append(plain_step(steps, gpus, rows_file, out, dump_first_batch))
+    plain = max(plain_runs, key=tokens_per_s)
+    return {
+        "pipeline": max(pipeline_runs, key=tokens_per_s),
+        "plain": plain,
+        "rows": rows,
+        "settings_differ": different_settings(steps, gpus, plain["settings"]),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per side")
     parser.add_argument("--gpus", type=int, default=2, help="ranks per side")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs per side, alternating; the fastest counts"
+    )
     parser.add_argument("--plain-rank", help=argparse.SUPPRESS)
+    parser.add_argument("--plain-out", help=argparse.SUPPRESS)
+    parser.add_argument("--dump-first-batch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain_rank:
-        plain(args.steps, args.plain_rank)
+        plain(args.steps, args.plain_rank, args.plain_out, args.dump_first_batch)
         return
-    ours = pipeline_step(args.steps, args.gpus)
-    base = plain_step(args.steps, args.gpus)
-    ours_tps = ours["tokens"] / ours["runtime_s"]
-    base_tps = base["tokens"] / base["runtime_s"]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = compare(args.steps, args.gpus, Path(tmp), repeats=args.repeats)
+    if result["settings_differ"]:
+        raise SystemExit(f"the two sides' Trainer settings differ: {result['settings_differ']}")
+    ours, base = result["pipeline"], result["plain"]
+    if ours["tokens"] != base["tokens"]:
+        raise SystemExit(f"the sides trained on {ours['tokens']} and {base['tokens']} tokens")
+    ours_tps, base_tps = tokens_per_s(ours), tokens_per_s(base)
     print(
         json.dumps(
             {
                 "benchmark": "sft_throughput",
                 "ranks": args.gpus,
                 "steps": args.steps,
+                "repeats": args.repeats,
+                "tokens": ours["tokens"],
                 "pipeline_tokens_per_s": round(ours_tps, 1),
                 "plain_torchrun_tokens_per_s": round(base_tps, 1),
                 "pipeline_vs_plain": round(ours_tps / base_tps, 3),
-                "data_wait_share": round(ours["data_wait_s"] / ours["runtime_s"], 4),
+                "data_wait_share": round(ours["data_wait_share"], 4),
                 "logging_share": round(ours["logging_s"] / ours["runtime_s"], 4),
             }
         )

@@ -61,7 +61,7 @@ SUMMARY_METRICS = [
     f"{when}_{name}"
     for name in ("loss", "perplexity", "exact_match")
     for when in ("untrained", "eval")
-] + ["train_runtime", "train_tokens_per_s"]
+] + ["train_runtime", "eff_tokens_per_s"]
 
 
 PRESETS = {name: functools.partial(load_sft_preset, name) for name in sft_preset_names()}

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from prefect import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from tests.conftest import REPO_ROOT
 
@@ -16,6 +18,32 @@ pytestmark = pytest.mark.slow
 
 
 SECRET = "hf_trainflowTestSecret0123456789"
+EFFICIENCY = ("eff_samples_per_s", "eff_step_time_s", "eff_data_wait_share", "eff_peak_memory_mb")
+
+
+def flow_run_artifacts(flow_run_id: str) -> dict[str, object]:
+    """The Prefect artifacts of a flow run, by key."""
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    return {a.key: a for a in found}
+
+
+def check_efficiency_figures(metrics: dict[str, float], summary: str, tokens: bool) -> None:
+    """The run's efficiency figures are there and plausible for 2 CPU ranks: in its metrics, in
+    its summary artifact, with tokens/s only for a model of tokens and no GPU figures; and
+    MLflow's own system metrics were sampled."""
+    names = [*EFFICIENCY, *(["eff_tokens_per_s"] if tokens else [])]
+    for name in names:
+        assert name in summary, name
+    assert ("eff_tokens_per_s" in metrics) == tokens
+    assert metrics["eff_samples_per_s"] > 0 and metrics["eff_step_time_s"] > 0
+    assert 0.0 <= metrics["eff_data_wait_share"] <= 1.0
+    assert 10 < metrics["eff_peak_memory_mb"] < 64_000  # the resident set of a torch process
+    if tokens:
+        assert metrics["eff_tokens_per_s"] > metrics["eff_samples_per_s"]
+    assert "eff_mfu" not in metrics and "eff_gpu_hours" not in metrics  # no GPU here
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -46,6 +74,10 @@ def test_mlp_pipeline_registers_a_model_that_learned(prefect_api, tmp_path):
     assert version.tags["technique"] == "ddp" and version.tags["world_size"] == "2"
     history = client.get_metric_history(run.info.run_id, "train_loss")
     assert len(history) >= 2 and history[-1].value < history[0].value
+    summary = flow_run_artifacts(run.data.tags["prefect_flow_run_id"])["mlp-summary"].data
+    check_efficiency_figures(run.data.metrics, summary, tokens=False)
+    assert run.data.metrics["system/cpu_utilization_percentage"] >= 0
+    assert run.data.metrics["system/system_memory_usage_megabytes"] > 0
     import mlflow.pytorch
 
     model = mlflow.pytorch.load_model("models:/mlp-e2e/1")

@@ -13,11 +13,10 @@ import psutil
 import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from prefect import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from flows import sft as pipeline
 from tests.conftest import REPO_ROOT
+from tests.flows.test_mlp_flow import check_efficiency_figures, flow_run_artifacts
 from trainflow.paths import trainflow_home
 
 pytestmark = pytest.mark.slow
@@ -26,14 +25,6 @@ SHORT = [
     *("--max-steps", "20", "--evaluation-num-samples", "32", "--evaluation-max-new-tokens", "8"),
     *("--evaluation-min-exact-match", "0", "--evaluation-max-loss-ratio", "0.8"),
 ]
-
-
-def _artifacts(flow_run_id: str) -> dict[str, object]:
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-        )
-    return {a.key: a for a in found}
 
 
 @pytest.mark.parametrize(
@@ -90,12 +81,21 @@ def test_pipeline_registers_with_lineage_and_gates_the_alias(
     assert info.flavors["transformers"]["task"] == "text-generation"
     assert info.signature is not None and info.saved_input_example_info is not None
 
-    artifacts = _artifacts(result.prefect_flow_run_id)
+    artifacts = flow_run_artifacts(result.prefect_flow_run_id)
     assert {"sft-summary", "sft-loss-curve", "sft-progress"} <= set(artifacts)
     assert artifacts["sft-progress"].data == 100.0
     assert "data:image/png;base64," in artifacts["sft-loss-curve"].data
     summary = artifacts["sft-summary"].data
     assert f"{name} v1" in summary and "untrained_loss" in summary
+    check_efficiency_figures(m, summary, tokens=True)
+    assert {k: run.data.metrics[k] for k in m if k.startswith("eff_")} == {
+        k: v for k, v in m.items() if k.startswith("eff_")
+    }
+    # The meter counted the non-padding tokens of all ranks over its 20 steps, as TRL did.
+    window_s = m["eff_step_time_s"] * 20
+    assert m["eff_tokens_per_s"] * window_s == pytest.approx(m["train_num_tokens"])
+    assert window_s <= m["train_runtime"]
+    assert "system/cpu_utilization_percentage" in run.data.metrics
 
 
 def _a_rank(caller: psutil.Process) -> psutil.Process | None:

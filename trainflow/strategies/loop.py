@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainflow import checkpoint, runtime
+from trainflow.efficiency import EfficiencyMeter
 from trainflow.errors import Preempted
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.job import TrainResult
@@ -26,6 +27,27 @@ from trainflow.tracking import MetricsSink, ProgressFile
 Batch = Any
 # (model, micro-batch on the rank's device) -> {"loss": ..., other metrics}, scalar tensors.
 ComputeFn = Callable[[nn.Module, Batch], Mapping[str, torch.Tensor]]
+# A micro-batch -> (samples, tokens) it holds; tokens 0 for models without tokens.
+WorkFn = Callable[[Batch], tuple[int, int]]
+
+
+def count_samples(batch: Batch) -> tuple[int, int]:
+    """Samples of a micro-batch whose first element holds one row per sample; no tokens."""
+    first = batch[0] if isinstance(batch, list | tuple) else batch
+    return (int(first.shape[0]) if isinstance(first, torch.Tensor) else len(first)), 0
+
+
+@dataclass(frozen=True)
+class Work:
+    """How to count a micro-batch's work, and the model FLOPs of a unit of it (for MFU).
+
+    Give `flops_per_token` when `count` returns tokens, else `flops_per_sample`; neither skips
+    MFU (`trainflow.efficiency`).
+    """
+
+    count: WorkFn = count_samples
+    flops_per_token: float | None = None
+    flops_per_sample: float | None = None
 
 
 @dataclass(frozen=True)
@@ -49,16 +71,19 @@ class Schedule:
 
 @dataclass
 class FitResult:
-    """What `fit` did: steps reached, logged metrics by step, last checkpoint written."""
+    """What `fit` did: steps reached, logged metrics by step, last checkpoint written, and how
+    efficiently (`eff_*`, see `trainflow.efficiency`)."""
 
     steps: int
     history: dict[int, dict[str, float]] = field(default_factory=dict)
     last_checkpoint: Path | None = None
+    efficiency: dict[str, float] = field(default_factory=dict)
 
     def last_metrics(self) -> dict[str, float]:
-        """The last logged metrics as `train_<name>`, as the MLflow run has them."""
+        """The last logged metrics as `train_<name>` and the `eff_*` figures, as the MLflow run
+        has them."""
         last = self.history[max(self.history)] if self.history else {}
-        return {f"train_{k}": v for k, v in last.items()}
+        return {f"train_{k}": v for k, v in last.items()} | self.efficiency
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -122,6 +147,7 @@ def fit(
     start_step: int = 0,
     progress_file: Path | None = None,
     sample_log: SampleLog | None = None,
+    work: Work = Work(),
 ) -> FitResult:
     """Train from `start_step` to `schedule.num_steps`.
 
@@ -139,6 +165,8 @@ def fit(
         start_step: Steps already done (from a checkpoint).
         progress_file: Where rank 0 records steps done (other ranks and None: nowhere).
         sample_log: Where this rank records the sample ids of each step (None: nowhere).
+        work: How to count a micro-batch's samples and tokens, and their FLOPs; the
+            efficiency figures are logged at the last step (`FitResult.efficiency`).
 
     Raises:
         Preempted: a stop was requested; the checkpoint of the step reached is written.
@@ -146,16 +174,22 @@ def fit(
     model, device = strategy.wrapped, strategy.device
     result = FitResult(steps=start_step)
     progress = ProgressFile(progress_file if runtime.is_rank_zero() else None, schedule.num_steps)
+    meter = EfficiencyMeter(
+        device, flops_per_token=work.flops_per_token, flops_per_sample=work.flops_per_sample
+    )
     for step in range(start_step + 1, schedule.num_steps + 1):
-        micro = batches(step)
+        with meter.data_wait():
+            micro = batches(step)
         totals: dict[str, torch.Tensor] = {}
         for i, batch in enumerate(micro):
+            meter.count(*work.count(batch))
             with strategy.micro_batch(sync=i == len(micro) - 1):
                 metrics = compute(model, to_device(batch, device))
                 strategy.backward(metrics["loss"] / len(micro))
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0) + value.detach() / len(micro)
         strategy.step()
+        meter.step()
         result.steps = step
         runtime.heartbeat(step)
         if sample_log is not None:
@@ -184,6 +218,8 @@ def fit(
             raise Preempted(
                 f"rank {runtime.get_global_rank()} stopped on request after step {step} ({saved})"
             )
+    result.efficiency = meter.report()  # every rank: it gathers the ranks' figures
+    sink.log(result.steps, result.efficiency)
     sink.flush()
     progress.update(result.steps)
     return result

@@ -16,10 +16,11 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainflow import checkpoint, runtime
 from trainflow.configs.mlp import MLPConfig
+from trainflow.efficiency import matmul_params, training_flops
 from trainflow.models.mlp import SimpleMLP
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.job import TrainResult, local_path
-from trainflow.strategies.loop import Batch, SampleLog, Schedule, exported, fit
+from trainflow.strategies.loop import Batch, SampleLog, Schedule, Work, exported, fit
 from trainflow.tracking import PROGRESS_FILE, metrics_sink, register_pytorch_model
 from trainflow.workloads import Evaluation
 
@@ -109,8 +110,11 @@ def train(
     """
     rank, world = runtime.get_global_rank(), runtime.get_world_size()
     torch.manual_seed(config.seed)
+    model = build_model(config)
+    # Every weight of an MLP multiplies each sample once.
+    work = Work(flops_per_sample=training_flops(matmul_params(model)))
     strategy.wrap(
-        build_model(config),
+        model,
         config.optimizer,
         micro_batch_size=config.batch_size,
         grad_accum_steps=1,
@@ -137,6 +141,7 @@ def train(
         start_step=start,
         progress_file=Path(output_dir) / PROGRESS_FILE,
         sample_log=SampleLog(samples, lambda batch: batch[2].tolist()),
+        work=work,
     )
     return exported(strategy, fitted, output_dir)
 

@@ -32,6 +32,7 @@ from trainflow.configs.sft import (
 )
 from trainflow.configs.sft import sft_gate_failures as gate_failures
 from trainflow.data.tokenizer import load_tokenizer
+from trainflow.efficiency import EfficiencyMeter, batch_work, matmul_params, training_flops
 from trainflow.models.causal_lm import build_causal_lm
 from trainflow.strategies import Strategy, TechniqueConfig, build_strategy
 from trainflow.strategies.base import gather_full_state_dict
@@ -168,35 +169,41 @@ sample_log = SampleLog()
 
 
 class LMCollate:
-    """Answer-only language-modelling batches, as TRL builds them, with the sample ids aside.
+    """Answer-only language-modelling batches, exactly as TRL's collator builds them, with the
+    sample ids aside.
 
     Labels are the token ids with every non-answer token set to -100 (TRL's `assistant_masks`
-    rule); TRL's own collator pads them. The ids travel as `sample_ids`, which the rank's
-    Trainer takes out before the forward pass.
+    rule); rows are cut at `max_length` and right-padded to the batch's longest (ids with
+    `pad_token_id`, labels with -100, attention mask 0), as TRL's
+    `DataCollatorForLanguageModeling` pads them; here each column is filled into one int64
+    buffer per batch instead of a tensor per row (a benchmark test compares the two). The ids
+    travel as `sample_ids`, which the rank's Trainer takes out before the forward pass.
     """
 
     def __init__(self, pad_token_id: int, max_length: int) -> None:
-        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-
-        self.collate = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
+        self.pad_token_id = pad_token_id
         self.max_length = max_length
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         import numpy as np
         import torch
 
-        examples = [
-            {
-                "input_ids": s["input_ids"][: self.max_length].tolist(),
-                "labels": np.where(s["assistant_masks"] == 1, s["input_ids"], -100)[
-                    : self.max_length
-                ].tolist(),
-            }
-            for s in samples
-        ]
-        batch = self.collate(examples)
-        batch["sample_ids"] = torch.tensor([int(s["id"]) for s in samples])
-        return batch
+        lengths = [min(len(s["input_ids"]), self.max_length) for s in samples]
+        shape = (len(samples), max(lengths))
+        input_ids = np.full(shape, self.pad_token_id, dtype=np.int64)
+        labels = np.full(shape, -100, dtype=np.int64)
+        attention_mask = np.zeros(shape, dtype=np.int64)
+        for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
+            ids = sample["input_ids"][:length]
+            input_ids[row, :length] = ids
+            labels[row, :length] = np.where(sample["assistant_masks"][:length] == 1, ids, -100)
+            attention_mask[row, :length] = 1
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "labels": torch.from_numpy(labels),
+            "attention_mask": torch.from_numpy(attention_mask),
+            "sample_ids": torch.tensor([int(s["id"]) for s in samples]),
+        }
 
 
 def train_loader(job: SFTJob, pad_token_id: int, state: dict[str, Any] | None = None) -> Any:
@@ -221,16 +228,15 @@ def train_loader(job: SFTJob, pad_token_id: int, state: dict[str, Any] | None = 
     )
 
 
-def _on_rank(trainer_class: type, loader: Any) -> type:
-    """`trainer_class` reading `loader` as it is (this rank's partition), and timing data waits.
+def _on_rank(trainer_class: type, loader: Any, meter: EfficiencyMeter) -> type:
+    """`trainer_class` reading `loader` as it is (this rank's partition), timing its data waits
+    and counting the samples and tokens of its batches in `meter`.
 
     The Trainer would otherwise hand the loader to accelerate, which shards an iterable
     dataset a second time across the ranks.
     """
 
     class RankTrainer(trainer_class):  # type: ignore[misc, valid-type]
-        data_wait_s = 0.0
-
         def get_train_dataloader(self) -> Any:
             return loader
 
@@ -270,12 +276,13 @@ def _on_rank(trainer_class: type, loader: Any) -> type:
                 self.lr_scheduler.load_state_dict(scheduler)
 
         def get_batch_samples(self, epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                batches, num_items = super().get_batch_samples(epoch_iterator, *args, **kwargs)
-            finally:
-                self.data_wait_s += time.perf_counter() - started
+            # Only the loader's own time is a data wait: the Trainer then counts the batch's
+            # labels across the ranks (a collective), which is a wait for the slowest rank.
+            batches, num_items = super().get_batch_samples(
+                meter.timed(epoch_iterator), *args, **kwargs
+            )
             for batch in batches:
+                meter.count(*batch_work(batch))
                 sample_log.record(batch.pop("sample_ids").tolist())
             return batches, num_items
 
@@ -309,6 +316,31 @@ class ProgressCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.sink.flush()
         self.progress.update(state.global_step)
+
+
+class EfficiencyCallback(TrainerCallback):
+    """Times every optimizer step in `meter`; at the end gathers the ranks' `eff_*` figures
+    (`trainflow.efficiency`) and logs them from rank 0.
+
+    The rank's Trainer (`_on_rank`) times its data waits and counts its batches in the same
+    meter.
+    """
+
+    def __init__(self, meter: EfficiencyMeter, sink: MetricsSink) -> None:
+        self.meter = meter
+        self.sink = sink
+        self.figures: dict[str, float] = {}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.meter.start()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.meter.step()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.figures = self.meter.report()  # every rank: it gathers the ranks' figures
+        self.sink.log(state.global_step, self.figures)
+        self.sink.flush()
 
 
 DATA_STATE = "data_state.json"
@@ -488,16 +520,16 @@ def _lora_config(config: SFTConfig) -> Any:
     )
 
 
-def _train_metrics(output: Any, callback: ProgressCallback, trainer: Any) -> dict[str, float]:
-    """`train_*` metrics: the last logged step's, the Trainer's totals and our timings."""
+def _train_metrics(
+    output: Any, callback: ProgressCallback, efficiency: EfficiencyCallback
+) -> dict[str, float]:
+    """`train_*` metrics (the last logged step's, the Trainer's totals, our logging time) and
+    the `eff_*` figures."""
     last = callback.history[max(callback.history)] if callback.history else {}
     summary = {k: float(v) for k, v in output.metrics.items() if k.startswith("train_")}
     summary.pop("train_loss", None)  # the run's mean; the last logged loss says more
     summary["train_logging_s"] = callback.logging_s
-    summary["train_data_wait_s"] = trainer.data_wait_s
-    if "num_tokens" in last:
-        summary["train_tokens_per_s"] = last["num_tokens"] / summary["train_runtime"]
-    return {f"train_{k}": v for k, v in last.items()} | summary
+    return {f"train_{k}": v for k, v in last.items()} | summary | efficiency.figures
 
 
 def train(
@@ -531,9 +563,12 @@ def train(
     if runtime.is_rank_zero() and is_tiny(config.model):
         model.save_pretrained(initial_model_dir(out))
         tokenizer.save_pretrained(initial_model_dir(out))
-    callback = ProgressCallback(
-        metrics_sink(mlflow_run_id, runtime.is_rank_zero()), out, config.max_steps
-    )
+    sink = metrics_sink(mlflow_run_id, runtime.is_rank_zero())
+    callback = ProgressCallback(sink, out, config.max_steps)
+    # Model FLOPs per trained token: the linear layers' 6 per weight; attention's share is left
+    # out (sequences differ in length and are short here).
+    meter = EfficiencyMeter(strategy.device, flops_per_token=training_flops(matmul_params(model)))
+    efficiency = EfficiencyCallback(meter, sink)
     peft_config = _lora_config(config)
     # SFTTrainer wants a dataset when it is built (it checks the columns and peeks at a row);
     # the rows it trains on come from this rank's loader, through `get_train_dataloader`.
@@ -545,13 +580,13 @@ def train(
         job, tokenizer.pad_token_id, read_data_state(resume) if resume is not None else None
     )
     durable = DurableCallback(loader, config.checkpoint_every > 0, strategy.name)
-    trainer = _on_rank(SFTTrainer, loader)(
+    trainer = _on_rank(SFTTrainer, loader, meter)(
         model=model,
         args=_trainer_config(config, strategy, model, out),
         train_dataset=columns,
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=[callback, durable],
+        callbacks=[efficiency, callback, durable],
     )
     strategy.prepare_hf_trainer(trainer)
     if resume is not None:
@@ -576,7 +611,7 @@ def train(
         world_size=runtime.get_world_size(),
         wrapped_as=wrapped_as,
         steps=output.global_step,
-        metrics=_train_metrics(output, callback, trainer),
+        metrics=_train_metrics(output, callback, efficiency),
         history=callback.history,
         checkpoint_uri=checkpoint.uri(checkpoint.latest_checkpoint(checkpoints_dir(out))),
         model_uri=trained_model_dir(out).resolve().as_uri(),
@@ -642,5 +677,30 @@ def log_model(
     """Log the trained model (LoRA merged) with `mlflow.transformers` and register it."""
     tokenizer = load_tokenizer(job.config.tokenizer_path())
     return register_transformers_model(
-        run_id, evaluation.model, tokenizer, name, evaluation.input_example, tags
+        run_id,
+        evaluation.model,
+        tokenizer,
+        name,
+        evaluation.input_example,
+        tags,
+        card=model_card(job.config, evaluation.metrics, tags),
+    )
+
+
+def model_card(config: SFTConfig, metrics: dict[str, float], tags: dict[str, str]) -> str:
+    """The registered model's card: what it was fine-tuned from, on what, how, and its scores."""
+    local = Path(config.model).expanduser().exists()
+    base = config.model if "/" in config.model and not local else None
+    header = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
+    header += [f"base_model: {base}"] if base else []
+    header += ["tags: [trainflow, sft]", "---"]
+    scores = "\n".join(f"| {k} | {v:.4f} |" for k, v in sorted(metrics.items()))
+    return "\n".join(header) + (
+        f"\n\n# {config.registered_model_name}\n\n"
+        f"Fine-tuned from `{config.model}` on `{config.dataset}` with "
+        f"{config.technique.name}{' and LoRA' if config.lora else ''} on {config.gpus} "
+        f"{config.gpu_type} rank(s), {config.max_steps} steps "
+        f"(MLflow run `{tags.get('mlflow_run_id', '')}`, dataset "
+        f"`{tags.get('dataset_fingerprint', '')}`).\n\n"
+        f"| metric | value |\n|---|---|\n{scores}\n"
     )

@@ -15,10 +15,11 @@ from torch import Tensor, nn
 
 from trainflow import checkpoint, runtime
 from trainflow.configs.transformer import TransformerConfig
+from trainflow.efficiency import matmul_params, training_flops
 from trainflow.models.transformer import TransformerClassifier
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.job import TrainResult, local_path
-from trainflow.strategies.loop import Batch, Schedule, exported, fit
+from trainflow.strategies.loop import Batch, Schedule, Work, exported, fit
 from trainflow.tracking import PROGRESS_FILE, metrics_sink, register_pytorch_model
 from trainflow.workloads import Evaluation
 
@@ -74,16 +75,31 @@ def compute(model: nn.Module, batch: Batch) -> dict[str, Tensor]:
     return {"loss": F.cross_entropy(logits, labels), "accuracy": accuracy}
 
 
-def wrap_model(config: TransformerConfig, strategy: Strategy) -> None:
-    """Build the seeded model and hand it, with its optimizer, to `strategy` on this rank."""
-    t = config.training
+def wrap_model(config: TransformerConfig, strategy: Strategy) -> Work:
+    """Build the seeded model and hand it, with its optimizer, to `strategy` on this rank.
+
+    Returns how the loop counts its work: every token of a micro-batch, at the model FLOPs of
+    its linear layers and attention over the whole sequence.
+    """
+    t, m = config.training, config.model
     torch.manual_seed(t.seed)
+    model = build_model(config)
+    flops = training_flops(
+        matmul_params(model), num_layers=m.num_layers, hidden_size=m.d_model, seq_len=m.seq_len
+    )
     strategy.wrap(
-        build_model(config),
+        model,
         t.optimizer,
         micro_batch_size=t.micro_batch_size(runtime.get_world_size()),
         grad_accum_steps=t.grad_accum_steps,
     )
+    return Work(count=count_tokens, flops_per_token=flops)
+
+
+def count_tokens(batch: Batch) -> tuple[int, int]:
+    """Sequences and tokens of a micro-batch (no padding: every sequence is `seq_len` long)."""
+    tokens, _labels = batch
+    return int(tokens.shape[0]), int(tokens.numel())
 
 
 def train(
@@ -97,7 +113,7 @@ def train(
     """Train on this rank with `strategy`; checkpoint, then export the consolidated model."""
     rank, world = runtime.get_global_rank(), runtime.get_world_size()
     t = config.training
-    wrap_model(config, strategy)
+    work = wrap_model(config, strategy)
     start = 0
     if (resume := checkpoint.resolve(resume_from)) is not None:
         start, _ = strategy.load(resume)
@@ -111,6 +127,7 @@ def train(
         Path(output_dir) / "checkpoints",
         start_step=start,
         progress_file=Path(output_dir) / PROGRESS_FILE,
+        work=work,
     )
     return exported(strategy, fitted, output_dir)
 

@@ -11,6 +11,7 @@ the trained towers and the untrained ones; `log_model` registers an MLflow pyfun
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.profilers import Profiler
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.functional.classification import binary_auroc
@@ -29,6 +31,7 @@ from trainflow.configs.two_tower import TwoTowerConfig, TwoTowerJob
 from trainflow.data import DataError, LoaderConfig, PreparedDataset, build_dataloader
 from trainflow.data.checks import check_files
 from trainflow.data.sources import holdout_size, load_source
+from trainflow.efficiency import EfficiencyMeter
 from trainflow.errors import Preempted
 from trainflow.models.two_tower import TwoTower, recall_at_k, sampled_negative_loss
 from trainflow.strategies.base import Strategy, adamw, gather_full_state_dict
@@ -279,6 +282,61 @@ class Durability(Callback):
         self.last_saved = step
 
 
+class DataWaitProfiler(Profiler):
+    """Adds the time Lightning's training loop spends fetching each batch to `meter`.
+
+    Lightning times every fetch of the train loader as a profiler action
+    (`[_TrainingEpochLoop].train_dataloader_next`); this profiler keeps only that one.
+    """
+
+    ACTION = "train_dataloader_next"
+
+    def __init__(self, meter: EfficiencyMeter) -> None:
+        super().__init__()
+        self.meter = meter
+        self._started: float | None = None
+
+    def start(self, action_name: str) -> None:
+        if action_name.endswith(self.ACTION):
+            self._started = time.perf_counter()
+
+    def stop(self, action_name: str) -> None:
+        if action_name.endswith(self.ACTION) and self._started is not None:
+            self.meter.add_wait(time.perf_counter() - self._started)
+            self._started = None
+
+
+class Efficiency(Callback):
+    """Times every training step in `meter` (validation passes left out) and counts its rows;
+    at the end gathers the ranks' `eff_*` figures (`trainflow.efficiency`) and logs them
+    into the run from rank 0. Data waits come from `DataWaitProfiler`.
+    """
+
+    def __init__(self, meter: EfficiencyMeter, label_column: str) -> None:
+        self.meter, self.label_column = meter, label_column
+        self.figures: dict[str, float] = {}
+
+    def on_train_start(self, trainer: L.Trainer, module: Any) -> None:
+        self.meter.start()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, *args: Any
+    ) -> None:
+        self.meter.count(int(batch[self.label_column].shape[0]))
+        self.meter.step()
+
+    def on_validation_start(self, trainer: L.Trainer, module: Any) -> None:
+        self.meter.pause()
+
+    def on_validation_end(self, trainer: L.Trainer, module: Any) -> None:
+        self.meter.resume()
+
+    def on_train_end(self, trainer: L.Trainer, module: Any) -> None:
+        self.figures = self.meter.report()  # every rank: it gathers the ranks' figures
+        if trainer.logger and self.figures:
+            trainer.logger.log_metrics(self.figures, step=trainer.global_step)
+
+
 def sample_log_path(output_dir: str | Path, rank: int) -> Path:
     """Where rank `rank` records the row ids it trained on (with `training.log_samples`)."""
     return Path(output_dir) / "samples" / f"rank_{rank}.jsonl"
@@ -323,6 +381,9 @@ def train(
     steps_per_epoch = len(train_loader)
     max_steps = min(t.num_epochs * steps_per_epoch, t.max_steps or math.inf)
     durable = Durability(config, out / "checkpoints", out, int(max_steps))
+    # Two embedding lookups and small MLPs per row: no model-FLOPs estimate, so no MFU.
+    meter = EfficiencyMeter(strategy.device)
+    efficiency = Efficiency(meter, config.data.label_column)
     best = ModelCheckpoint(
         dirpath=out / "best", filename="best", monitor="val_auroc", mode="max", save_top_k=1
     )
@@ -340,7 +401,8 @@ def train(
         max_epochs=t.num_epochs,
         max_steps=t.max_steps or -1,
         logger=logger,
-        callbacks=[durable, best],
+        callbacks=[durable, efficiency, best],
+        profiler=DataWaitProfiler(meter),
         log_every_n_steps=t.log_every,
         num_sanity_val_steps=0,
         enable_progress_bar=False,
@@ -381,6 +443,7 @@ def train(
     trainer.strategy.barrier()
     runtime.print0(f"trained as {seen['wrapped_as']} on {seen['world_size']} rank(s)")
     metrics["train_best_val_auroc"] = float(validated[0]["val_auroc"])
+    metrics |= efficiency.figures
     return TrainResult(
         technique=strategy.name,
         world_size=seen["world_size"],
