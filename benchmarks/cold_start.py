@@ -77,9 +77,7 @@ def run_once(pipeline: str, args: list[str], env: dict[str, str], cwd: Path) -> 
     train = re.findall(r"^train_runtime\s*:\s*([\d.]+)", "".join(lines), re.MULTILINE)
     train_s = float(train[-1]) if train else 0.0
     stages = {
-        name: round(marks[b] - marks[a], 2)
-        for name, a, b in STAGES
-        if a in marks and b in marks
+        name: round(marks[b] - marks[a], 2) for name, a, b in STAGES if a in marks and b in marks
     }
     if "launch_and_training_s" in stages:
         stages["launch_s"] = round(stages.pop("launch_and_training_s") - train_s, 2)
