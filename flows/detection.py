@@ -34,7 +34,7 @@ from flows.skeleton import (
 from tasks.data import prepare_dataset
 from tasks.reporting import figure_markdown
 from trainflow import tracking
-from trainflow.cli import run_pipeline
+from trainflow.cli import run_pipeline, start_launch_agent
 from trainflow.configs.detection import (
     DetectionConfig,
     DetectionJob,
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> DatasetResult:
 
 
 def _check_config(config: DetectionConfig) -> None:
+    start_launch_agent(config, "trainflow.workloads.detection")  # its imports run beside these
     from trainflow.workloads.detection import check_config
 
     check_config(config)

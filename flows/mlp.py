@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> PipelineResult:
         argv,
         __doc__,
         server=starting_prefect_server,
-        deep_check=preload("trainflow.workloads.mlp", "mlflow"),
+        deep_check=preload(
+            "trainflow.workloads.mlp", "mlflow", launch_module="trainflow.workloads.mlp"
+        ),
     )
 
 

@@ -29,7 +29,7 @@ from flows.skeleton import (
     train,
 )
 from tasks.data import prepare_dataset
-from trainflow.cli import pipeline_config, run_pipeline
+from trainflow.cli import pipeline_config, run_pipeline, start_launch_agent
 from trainflow.configs.sft import SFTConfig, SFTJob, load_sft_preset, sft_preset_names
 from trainflow.workloads import WORKLOADS
 
@@ -99,6 +99,7 @@ def _check_files(config: SFTConfig) -> None:
 def _check_names(config: SFTConfig) -> None:
     """Scheduler and LoRA target names, checked on the model built on the meta device: the
     workload's imports (transformers, TRL) load while the Prefect server starts."""
+    start_launch_agent(config, SFT.module)  # its imports run beside these
     from trainflow.workloads.sft import check_names
 
     check_names(config)

@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> PipelineResult:
         argv,
         __doc__,
         server=starting_prefect_server,
-        deep_check=preload("trainflow.workloads.transformer", "mlflow"),
+        deep_check=preload(
+            "trainflow.workloads.transformer",
+            "mlflow",
+            launch_module="trainflow.workloads.transformer",
+        ),
     )
 
 

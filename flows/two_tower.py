@@ -26,7 +26,7 @@ from flows.skeleton import (
     train,
 )
 from tasks.data import prepare_dataset
-from trainflow.cli import run_pipeline
+from trainflow.cli import run_pipeline, start_launch_agent
 from trainflow.configs.two_tower import (
     TwoTowerConfig,
     TwoTowerJob,
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> DatasetResult:
 
 
 def _check_config(config: TwoTowerConfig) -> None:
+    start_launch_agent(config, "trainflow.workloads.two_tower")  # its imports run beside these
     from trainflow.workloads.two_tower import check_config
 
     check_config(config)

@@ -382,20 +382,42 @@ def run_pipeline(
         run_id = tracking.last_run_id()
         _report_stop(flow, reason, run_id if run_id != before else None)
         raise SystemExit(code) from None
+    finally:
+        if "trainflow.launcher" in sys.modules:  # an agent started ahead that was not used
+            sys.modules["trainflow.launcher"].discard_standbys()
     _print_result(flow, result, summary_metrics)
     return result
 
 
-def preload(*modules: str) -> Callable[[Any], None]:
-    """A `deep_check` that imports `modules`: what the run needs, loaded while the server starts."""
+def preload(*modules: str, launch_module: str | None = None) -> Callable[[Any], None]:
+    """A `deep_check` that imports `modules`: what the run needs, loaded while the server starts.
+
+    With `launch_module` (the workload's module), the training launch's agent starts first and
+    imports it meanwhile (`start_launch_agent`).
+    """
 
     def load(config: Any) -> None:
         import importlib
 
+        if launch_module is not None:
+            start_launch_agent(config, launch_module)
         for name in modules:
             importlib.import_module(name)
 
     return load
+
+
+def start_launch_agent(config: Any, module: str) -> None:
+    """Start the agent of the run's training launch now, importing the workload's `module`
+    (`trainflow.launcher.standby`): ranks then start with it loaded. Not for runs that wait
+    for rank slots (a sweep's trials). `run_pipeline` stops it if the run never launches."""
+    from trainflow.resources import Resources
+
+    if not isinstance(config, Resources) or getattr(config, "gpu_pool", None) is not None:
+        return
+    from trainflow.launcher import standby
+
+    standby(config.launch_options(), [module])
 
 
 def _usage_check(flow: Any, check: Callable[[Any], None] | None, config: Any) -> None:

@@ -723,16 +723,20 @@ def standby(options: LaunchOptions, preload: Sequence[str] = ()) -> Callable[[],
     """Start the agent of a launch with `options` now, importing `preload` (module names).
 
     The next `launch` with the same options in this process and working directory uses it
-    (any thread); a launch with other options starts its own. Returns a call that stops the
+    (any thread); a launch with other options starts its own. An unused agent for the same
+    options already waiting is kept instead of starting another. Returns a call that stops the
     agent if no launch has used it (call it when the launch will not come, e.g. when the
     pipeline ends). Nothing happens for remote launches, or with TRAINFLOW_STANDBY=0.
     """
     if options.remote or os.environ.get(STANDBY_ENV) == "0":
         return lambda: None
     res = resolve_resources(options.gpus, options.gpu_type, options.nnodes)
-    agent = _Standby(_launch_env(options, res), _start_method(res), preload)
+    env, method = _launch_env(options, res), _start_method(res)
     with _standbys_lock:
-        _standbys.append(agent)
+        agent = next((a for a in _standbys if a.fits(env, method)), None)
+        if agent is None:
+            agent = _Standby(env, method, preload)
+            _standbys.append(agent)
 
     def discard() -> None:
         with _standbys_lock:
@@ -742,6 +746,15 @@ def standby(options: LaunchOptions, preload: Sequence[str] = ()) -> Callable[[],
         agent.discard()
 
     return discard
+
+
+def discard_standbys() -> None:
+    """Stop every agent this process started ahead that no launch has used."""
+    with _standbys_lock:
+        unused = list(_standbys)
+        _standbys.clear()
+    for agent in unused:
+        agent.discard()
 
 
 def _claim_standby(env: dict[str, str], start_method: str, rd: RunDir) -> subprocess.Popen | None:
