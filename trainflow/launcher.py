@@ -43,6 +43,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -675,9 +676,11 @@ class _Standby:
         self.env = env  # what the launch adds to the caller's environment
         self.cwd = os.getcwd()
         self.start_method = start_method
-        runs = trainflow_home() / "runs"
-        runs.mkdir(parents=True, exist_ok=True)
-        self.log = runs / f".standby-{os.getpid()}-{uuid.uuid4().hex[:8]}.log"
+        # Its output until a launch claims it (then it goes to that launch's agent log): in
+        # the temp folder, as no launch folder exists yet.
+        fd, log_path = tempfile.mkstemp(prefix=f"trainflow-standby-{os.getpid()}-", suffix=".log")
+        os.close(fd)
+        self.log = Path(log_path)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "trainflow._agent", "--standby", str(self.log), *preload],

@@ -4,14 +4,15 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 
 from trainflow import runtime
 from trainflow.launcher import LaunchOptions, launch, standby
-from trainflow.paths import trainflow_home
 
 OPTIONS = LaunchOptions(gpus=2, gpu_type="cpu", timeout=120)
 
@@ -53,7 +54,7 @@ def test_a_launch_uses_the_agent_started_ahead_with_the_environment_of_the_launc
     assert "standby agent: imported tests.unit.conftest_data" in agent_log
     assert not _alive(pid)  # it ran the launch and ended with it
     discard()  # used: nothing left to stop
-    assert not list((trainflow_home() / "runs").glob(".standby-*"))
+    assert not list(Path(tempfile.gettempdir()).glob(f"trainflow-standby-{os.getpid()}-*"))
 
 
 def test_a_launch_with_other_options_starts_its_own_agent_and_the_unused_one_is_stopped():
@@ -66,7 +67,7 @@ def test_a_launch_with_other_options_starts_its_own_agent_and_the_unused_one_is_
     assert _alive(pid)
     discard()
     assert not _alive(pid)
-    assert not list((trainflow_home() / "runs").glob(".standby-*"))
+    assert not list(Path(tempfile.gettempdir()).glob(f"trainflow-standby-{os.getpid()}-*"))
 
 
 def test_the_agent_started_ahead_ends_when_its_caller_is_killed(tmp_path):
