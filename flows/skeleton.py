@@ -33,7 +33,8 @@ from pydantic import BaseModel, Field
 
 from flows.techniques import techniques
 from tasks.reporting import figure_markdown, publish_summary
-from trainflow import checkpoint, launcher, tracking
+from trainflow import checkpoint, tracking
+from trainflow.cli import start_launch_agent
 from trainflow.gate import gate_failures
 from trainflow.paths import RUN_CONFIG_FILE, STOP_FILE, read_run_config, run_output_dir
 from trainflow.resources import check_cpu_oversubscription, resolve_resources
@@ -168,12 +169,8 @@ def tracked_run(
 @contextlib.contextmanager
 def _agent_ahead(workload: WorkloadSpec, config: Any) -> Iterator[None]:
     """Start the training launch's agent now, importing the workload's modules while the run
-    opens; the launch uses it, or it is stopped when the run ends. Not when the launch waits
-    for rank slots (a sweep's trials queue there)."""
-    if config.gpu_pool is not None:
-        yield
-        return
-    discard = launcher.standby(config.resources.launch_options(), [workload.module])
+    opens; the launch uses it, or it is stopped when the run ends (`start_launch_agent`)."""
+    discard = start_launch_agent(config, workload.module)
     try:
         yield
     finally:

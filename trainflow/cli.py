@@ -407,17 +407,18 @@ def preload(*modules: str, launch_module: str | None = None) -> Callable[[Any], 
     return load
 
 
-def start_launch_agent(config: Any, module: str) -> None:
+def start_launch_agent(config: Any, module: str) -> Callable[[], None]:
     """Start the agent of the run's training launch now, importing the workload's `module`
     (`trainflow.launcher.standby`): ranks then start with it loaded. Not for runs that wait
-    for rank slots (a sweep's trials). `run_pipeline` stops it if the run never launches."""
+    for rank slots (a sweep's trials). Returns the call that stops it if no launch used it;
+    `run_pipeline` also stops it if the run never launches."""
     from trainflow.resources import Resources
 
     if not isinstance(config, Resources) or getattr(config, "gpu_pool", None) is not None:
-        return
+        return lambda: None
     from trainflow.launcher import standby
 
-    standby(config.launch_options(), [module])
+    return standby(config.launch_options(), [module])
 
 
 def _usage_check(flow: Any, check: Callable[[Any], None] | None, config: Any) -> None:
