@@ -37,7 +37,7 @@ from trainflow import checkpoint, tracking
 from trainflow.cli import start_launch_agent
 from trainflow.gate import gate_failures
 from trainflow.paths import RUN_CONFIG_FILE, STOP_FILE, read_run_config, run_output_dir
-from trainflow.resources import check_cpu_oversubscription, resolve_resources
+from trainflow.resources import check_cpu_oversubscription
 from trainflow.strategies.config import check_framework
 from trainflow.strategies.job import TrainResult, Workload
 from trainflow.workloads import Evaluation, WorkloadSpec
@@ -201,7 +201,7 @@ def preflight(workload: WorkloadSpec, config: Any) -> None:
 
     The technique subflow checks again with the model itself (built on the meta device).
     """
-    plan = resolve_resources(config.gpus, config.gpu_type, config.nnodes)
+    plan = config.launch_plan()
     check_cpu_oversubscription(plan)
     check_framework(config.technique, workload.framework, device_type=plan.device)
     check_config = getattr(workload.load(), "check_config", None)

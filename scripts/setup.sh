@@ -10,7 +10,7 @@ if [[ ! -x .venv/bin/python ]]; then
     python3 -m venv .venv
 fi
 # DeepSpeed compiles no ops at install; the CPU paths use torch's own Adam.
-DS_BUILD_OPS=0 .venv/bin/pip install --quiet --progress-bar off -c constraints.txt -e ".[dev]"
+DS_BUILD_OPS=0 .venv/bin/pip install --quiet --progress-bar off -c constraints.txt -e ".[dev,ray,k8s]"
 echo "Python packages installed in .venv"
 
 if [[ "${1:-}" == "--with-browser" ]]; then

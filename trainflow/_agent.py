@@ -140,20 +140,26 @@ def main(run_dir: str, watching: bool = False) -> int:
     tempfile.tempdir = str(rd.elastic_tmp)
     rd.elastic_tmp.mkdir(parents=True, exist_ok=True)
 
+    rdzv_configs: dict[str, object] = {"timeout": spec["rdzv_timeout_s"]}
+    if spec.get("rdzv_is_host") is not None:
+        # The launcher that placed the nodes says which one hosts the rendezvous store; two
+        # nodes on one host (or behind one address) would otherwise both try to.
+        rdzv_configs["is_host"] = spec["rdzv_is_host"]
     config = LaunchConfig(
-        min_nodes=spec["nnodes"],
+        min_nodes=spec.get("min_nodes") or spec["nnodes"],
         max_nodes=spec["nnodes"],
         nproc_per_node=spec["nproc_per_node"],
         run_id=spec["run_id"],
         rdzv_backend="c10d",
         rdzv_endpoint=spec["rdzv_endpoint"],
-        rdzv_configs={"timeout": spec["rdzv_timeout_s"]},
+        rdzv_configs=rdzv_configs,
         max_restarts=spec["max_restarts"],
         monitor_interval=0.1,
         start_method=spec["start_method"],
         shutdown_timeout=spec["shutdown_timeout_s"],
         logs_specs=DefaultLogsSpecs(log_dir=str(rd.elastic)),
     )
+    os.environ[_worker.AGENT_PID_ENV] = str(os.getpid())  # the ranks' parent (see _worker)
     try:
         elastic_launch(config, _worker.main)(str(rd.path))
     except ChildFailedError as exc:

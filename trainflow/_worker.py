@@ -5,6 +5,7 @@ caller's code, so everything user-specific arrives through the run directory.
 """
 
 import atexit
+import ctypes
 import faulthandler
 import json
 import linecache
@@ -171,6 +172,25 @@ def _on_sigterm(signum: int, frame: object) -> None:
     runtime.request_stop()
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+AGENT_PID_ENV = "TRAINFLOW_AGENT_PID"
+
+
+def _die_with_agent() -> None:
+    """A rank never outlives its agent (Linux): the kernel SIGKILLs it when the agent dies.
+
+    The agent stops its ranks itself on every path it lives through; this covers the one it
+    does not: the agent killed outright (SIGKILL, the OOM killer, a cluster manager stopping
+    the process that hosts it).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    agent = os.environ.get(AGENT_PID_ENV, "")
+    if agent.isdigit() and os.getppid() != int(agent):
+        os._exit(1)  # the agent died before the request was in place
+
+
 def _reset_process_state() -> None:
     """Undo what a forked rank inherits from the agent: signal handlers, thread count, temp dir.
 
@@ -192,6 +212,7 @@ def _reset_process_state() -> None:
 
 def main(run_dir: str) -> None:
     """Entry point of every rank (called by torch elastic with the run directory)."""
+    _die_with_agent()
     _reset_process_state()
     rd = RunDir(Path(run_dir))
     rank = runtime.get_global_rank()

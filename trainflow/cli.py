@@ -465,13 +465,12 @@ def _check_machine(flow: Any, config: BaseModel) -> None:
         ResourceError,
         Resources,
         check_cpu_oversubscription,
-        resolve_resources,
     )
 
     if not isinstance(config, Resources):
         return
     try:
-        check_cpu_oversubscription(resolve_resources(config.gpus, config.gpu_type, config.nnodes))
+        check_cpu_oversubscription(config.launch_plan())
     except ResourceError as exc:
         print(f"python -m flows.{flow.name}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

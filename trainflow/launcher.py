@@ -71,7 +71,7 @@ from trainflow.errors import (
     is_collective_failure,
 )
 from trainflow.paths import trainflow_home
-from trainflow.resources import LaunchPlan, resolve_resources
+from trainflow.resources import LaunchPlan, node_range, resolve_resources
 from trainflow.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class LaunchOptions:
 
     gpus: int
     gpu_type: str | None = None
-    nnodes: int = 1
+    nnodes: int | str = 1
     timeout: float | None = None
     init_process_group: bool = False
     max_restarts: int = 0
@@ -137,8 +137,10 @@ class LaunchOptions:
     stop_grace: float = 30.0
     stop_file: str | None = None
     remote: bool = False
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
+        node_range(self.nnodes)
         if self.timeout is not None:
             _check_seconds("timeout", self.timeout)
         _check_seconds("collective_timeout", self.collective_timeout)
@@ -160,10 +162,51 @@ class LaunchResult:
     run_dir: Path
     log_files: dict[int, Path]
     resources: LaunchPlan
+    # The global rank of each value (this node's ranks when each node launches its own).
+    ranks: list[int] = field(default_factory=list)
 
 
 def _print_line(rank: int, line: str) -> None:
     print(f"[rank {rank}] {line}", flush=True)
+
+
+def rank_label(rank: int, options: "LaunchOptions") -> str:
+    """`[rank N]`, or `[node K rank N]` when the launch spans several nodes."""
+    low, high = node_range(options.nnodes)
+    if high == 1:
+        return f"[rank {rank}]"
+    return f"[node {rank // max(1, options.gpus // high)} rank {rank}]"
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """A call ready to travel to the ranks: the pickled function and arguments, and what the
+    ranks need to show the caller's source in their tracebacks."""
+
+    name: str
+    qualname: str
+    payload: bytes
+    code_files: list[list]
+    sources: dict[str, list[str]]
+    shipped: list["_CodeSpan"]
+    sys_path: list[str]
+
+
+def ship(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Shipment:
+    """Pickle `fn(*args, **kwargs)` for the ranks (raises `PayloadError` naming what cannot)."""
+    payload = _bind_payload(fn, args, kwargs)
+    codes = _shipped_codes(fn)
+    code_files, sources = _shipped_sources(codes)
+    name = getattr(fn, "__name__", "fn")
+    return Shipment(
+        name=name,
+        qualname=getattr(fn, "__qualname__", name),
+        payload=payload,
+        code_files=code_files,
+        sources=sources,
+        shipped=_shipped_code(codes),
+        sys_path=_caller_sys_path(),
+    )
 
 
 def _bind_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
@@ -630,12 +673,14 @@ def _tail(path: Path, num_lines: int = 30) -> str:
     return "\n".join(lines[-num_lines:])
 
 
-def _launch_env(options: LaunchOptions, res: LaunchPlan) -> dict[str, str]:
+def _launch_env(
+    options: LaunchOptions, res: LaunchPlan, sys_path: Sequence[str] | None = None
+) -> dict[str, str]:
     """What the agent and its ranks get on top of the caller's environment."""
     env = {
         "PYTHONUNBUFFERED": "1",
         "TRAINFLOW_DEVICE": res.device,
-        "PYTHONPATH": os.pathsep.join(_caller_sys_path()),
+        "PYTHONPATH": os.pathsep.join(_caller_sys_path() if sys_path is None else sys_path),
     }
     if res.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # what torchrun does, to avoid oversubscription
@@ -773,14 +818,25 @@ def _claim_standby(env: dict[str, str], start_method: str, rd: RunDir) -> subpro
 class _Launch:
     """One supervised launch: plan, start, watch, stop, collect."""
 
-    def __init__(self, fn: Callable[..., Any], options: LaunchOptions, sink: LineSink):
+    def __init__(
+        self,
+        fn: Callable[..., Any] | None,
+        options: LaunchOptions,
+        sink: LineSink,
+        rendezvous: tuple[str, str, bool] | None = None,
+    ):
+        """`rendezvous`: (endpoint, run id, whether this node hosts the store), given by a
+        launcher that places the nodes itself (`trainflow.ray_launcher`)."""
         self.fn = fn
         self.options = options
         self.sink = sink
         self.name = getattr(fn, "__name__", "fn")
+        self.rendezvous = rendezvous
 
     def _rendezvous(self) -> tuple[str, str]:
-        if self.options.nnodes == 1:
+        if self.rendezvous is not None:
+            return self.rendezvous[0], self.rendezvous[1]
+        if node_range(self.options.nnodes) == (1, 1):
             return "127.0.0.1:0", uuid.uuid4().hex
         endpoint, run_id = os.environ.get(RDZV_ENDPOINT_ENV), os.environ.get(RUN_ID_ENV)
         if not endpoint or not run_id:
@@ -792,24 +848,28 @@ class _Launch:
         return endpoint, run_id
 
     def run(self, args: tuple, kwargs: dict) -> LaunchResult:
+        assert self.fn is not None
+        return self.run_shipment(ship(self.fn, args, kwargs))
+
+    def run_shipment(self, shipment: Shipment) -> LaunchResult:
         opts = self.options
+        self.name = shipment.name
         res = resolve_resources(opts.gpus, opts.gpu_type, opts.nnodes)
-        payload = _bind_payload(self.fn, args, kwargs)
-        codes = _shipped_codes(self.fn)
-        code_files, sources = _shipped_sources(codes)
         prune_run_dirs(trainflow_home() / "runs", keep_run_dirs())
         endpoint, run_id = self._rendezvous()
-        env = _launch_env(opts, res)
+        env = _launch_env(opts, res, shipment.sys_path)
         start_method = _start_method(res)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         rd = RunDir(trainflow_home() / "runs" / f"{stamp}-{self.name}-{uuid.uuid4().hex[:8]}")
         rd.create(
             {
-                "function": getattr(self.fn, "__qualname__", self.name),
+                "function": shipment.qualname,
                 "run_id": run_id,
                 "rdzv_endpoint": endpoint,
                 "rdzv_timeout_s": int(opts.timeout) if opts.timeout else 900,
+                "rdzv_is_host": self.rendezvous[2] if self.rendezvous else None,
                 "nnodes": res.nnodes,
+                "min_nodes": res.min_nodes or res.nnodes,
                 "nproc_per_node": res.nproc_per_node,
                 "device": res.device,
                 "max_restarts": opts.max_restarts,
@@ -820,20 +880,20 @@ class _Launch:
                 "hang_timeout_s": opts.hang_timeout,
                 "init_process_group": opts.init_process_group,
                 "start_method": start_method,
-                "sys_path": _caller_sys_path(),
-                "code_files": code_files,
+                "sys_path": shipment.sys_path,
+                "code_files": shipment.code_files,
                 # Names only: values (tokens, keys) travel in the agent's environment and are
                 # never written to disk.
                 "env_names": sorted(env),
                 "caller_pid": os.getpid(),
             },
-            payload,
-            sources,
+            shipment.payload,
+            shipment.sources,
         )
         self._announce(rd, res)
         self._tail = _LogTail(rd, self.sink)
         self._gone_at_failure: list[int] = []
-        self.shipped = _shipped_code(codes)
+        self.shipped = shipment.shipped
         proc = _claim_standby(env, start_method, rd)
         if proc is None:
             with open(rd.agent_log, "wb") as agent_log:
@@ -1196,7 +1256,7 @@ class _Launch:
                 log_dir=log_dir,
             )
         values = [cloudpickle.loads(results[r].read_bytes()) for r in sorted(results)]
-        return LaunchResult(values, rd.path, rd.log_files(), res)
+        return LaunchResult(values, rd.path, rd.log_files(), res, sorted(results))
 
     def _traceback(self, rec: dict[str, Any]) -> str:
         return _resolve_traceback(rec["traceback"], self.shipped).rstrip()
@@ -1276,6 +1336,12 @@ def launch(
     waits), it gives the ranks `options.stop_grace` seconds to stop cleanly, kills what is
     left and re-raises.
     """
+    from trainflow import ray_launcher
+
+    if ray_launcher.ray_address(options):
+        return ray_launcher.launch(
+            fn, tuple(args), dict(kwargs or {}), options=options, on_line=on_line
+        )
     return _Launch(fn, options, on_line or _print_line).run(tuple(args), dict(kwargs or {}))
 
 
@@ -1346,7 +1412,7 @@ def distributed(
     gpus: int,
     gpu_type: str | None = None,
     *,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     timeout: float | None = None,
     init_process_group: bool = False,
     max_restarts: int = 0,
@@ -1356,6 +1422,7 @@ def distributed(
     stop_grace: float = 30.0,
     stop_file: str | None = None,
     remote: bool = False,
+    ray_address: str | None = None,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Decorate a function so `fn.distributed(...)` runs it on `gpus` ranks.
 
@@ -1364,9 +1431,11 @@ def distributed(
         gpu_type: None uses what the machine has (GPUs, else CPU ranks with gloo); "cpu" forces
             CPU ranks; a GPU name ("H100", "A10") must match the GPUs present, unless
             TRAINFLOW_CPU_FALLBACK=1, which runs CPU ranks with a warning.
-        nnodes: Number of nodes. With more than one, call `.distributed()` on every node with
-            TRAINFLOW_RDZV_ENDPOINT and TRAINFLOW_RUN_ID set alike; each node returns the values
-            of its own ranks.
+        nnodes: Number of nodes, or an elastic range "min:max". With more than one and a Ray
+            cluster (`ray_address`, or RAY_ADDRESS), the call places every node on the cluster
+            and returns all ranks' values (`trainflow.ray_launcher`). Without Ray, call
+            `.distributed()` on every node with TRAINFLOW_RDZV_ENDPOINT and TRAINFLOW_RUN_ID set
+            alike; each node returns the values of its own ranks.
         timeout: Seconds for the whole call; past it every rank is stopped and
             `LaunchTimeoutError` names the ranks still running.
         init_process_group: Initialise the default process group (gloo on CPU, nccl on CUDA
@@ -1390,6 +1459,8 @@ def distributed(
             TRAINFLOW_REMOTE_DEPLOYMENT, a deployment of `flows/remote.py:remote_call`), waits
             for it and returns its per-rank results; `RemoteNotConfiguredError` when none is
             set.
+        ray_address: A Ray cluster ("ray://head:10001", "auto", "host:6379") to place the
+            nodes on, even for one node; None: RAY_ADDRESS when `nnodes` is above 1.
     """
     options = LaunchOptions(
         gpus=gpus,
@@ -1404,6 +1475,7 @@ def distributed(
         stop_grace=stop_grace,
         stop_file=stop_file,
         remote=remote,
+        ray_address=ray_address,
     )
     # Counts that can never work fail at decoration time; GPU presence is checked at launch.
     resolve_resources(options.gpus, "cpu", options.nnodes)

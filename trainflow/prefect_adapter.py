@@ -16,7 +16,7 @@ from prefect.client.schemas.actions import ArtifactCreate
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.logging.loggers import PrefectLogAdapter, get_logger
 
-from trainflow.launcher import LaunchOptions, LaunchResult, launch
+from trainflow.launcher import LaunchOptions, LaunchResult, launch, rank_label
 
 
 def in_prefect_run() -> bool:
@@ -60,7 +60,7 @@ def launch_logged(
         args,
         kwargs,
         options=options,
-        on_line=lambda r, line: logger.info("[rank %d] %s", r, line),
+        on_line=lambda r, line: logger.info("%s %s", rank_label(r, options), line),
     )
     files = "\n".join(f"| {r} | `{p}` |" for r, p in result.log_files.items())
     logger.info("Full rank logs: %s", result.run_dir / "logs")

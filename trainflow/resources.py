@@ -17,7 +17,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
     from trainflow.launcher import LaunchOptions
@@ -94,7 +94,16 @@ class Resources(BaseModel):
         default=None,
         description='GPU type such as "H100"; "cpu" forces CPU ranks; empty: what exists.',
     )
-    nnodes: int = Field(default=1, ge=1, description="Nodes the ranks are spread over.")
+    nnodes: int | str = Field(
+        default=1,
+        description='Nodes the ranks are spread over, or an elastic range such as "2:4" (on a '
+        "Ray cluster: starts on what it can give within the range).",
+    )
+    ray_address: str | None = Field(
+        default=None,
+        description="Ray cluster to place multi-node launches on (else RAY_ADDRESS); none and "
+        "no RAY_ADDRESS: nodes join through TRAINFLOW_RDZV_ENDPOINT.",
+    )
     timeout_s: float = Field(default=3600, gt=0, description="Bound on the whole training launch.")
     max_restarts: int = Field(
         default=0,
@@ -127,6 +136,19 @@ class Resources(BaseModel):
         "checkpoint before they are killed.",
     )
 
+    @field_validator("nnodes", mode="before")
+    @classmethod
+    def _check_nnodes(cls, value: object) -> int | str:
+        try:
+            low, high = node_range(value)
+        except ResourceError as exc:
+            raise ValueError(str(exc)) from None
+        return high if low == high else f"{low}:{high}"
+
+    def launch_plan(self) -> "LaunchPlan":
+        """Where these resources will run (`plan_launch`), checked before anything starts."""
+        return plan_launch(self.gpus, self.gpu_type, self.nnodes, self.ray_address)
+
     @property
     def resources(self) -> "Resources":
         """Only the placement fields (of a pipeline config that inherits them)."""
@@ -140,6 +162,7 @@ class Resources(BaseModel):
             gpus=self.gpus,
             gpu_type=self.gpu_type,
             nnodes=self.nnodes,
+            ray_address=self.ray_address,
             timeout=self.timeout_s,
             max_restarts=self.max_restarts,
             collective_timeout=self.collective_timeout_s,
@@ -157,6 +180,10 @@ class LaunchPlan:
     nproc_per_node: int
     nnodes: int
     gpu_name: str | None = None
+    # With an elastic node range, the fewest nodes a launch may run on (`nnodes` is the most).
+    min_nodes: int | None = None
+    # The Ray cluster that places the nodes (their GPUs and cores are its, not this machine's).
+    cluster: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -178,8 +205,8 @@ def check_cpu_oversubscription(plan: "LaunchPlan", cores: int | None = None) -> 
     Raises:
         ResourceError: more than `MAX_CPU_RANKS_PER_CORE` ranks per core.
     """
-    if plan.device != "cpu":
-        return
+    if plan.device != "cpu" or plan.cluster:
+        return  # a cluster reserves one CPU per CPU rank itself
     cores = cores or os.cpu_count() or 1
     limit = MAX_CPU_RANKS_PER_CORE * cores
     if plan.nproc_per_node > limit:
@@ -208,10 +235,80 @@ def gpu_name_matches(requested: str, actual: str) -> bool:
     return any(have[i : i + len(want)] == want for i in range(len(have) - len(want) + 1))
 
 
+def node_range(nnodes: object) -> tuple[int, int]:
+    """`(min, max)` nodes of `nnodes`: a whole number, or an elastic range such as "2:4".
+
+    With a range, a launch starts on as many nodes as the cluster can give within it, and
+    re-forms on what is left (or added) after a node is lost. `gpus` counts the ranks at the
+    largest size: each node runs `gpus // max` ranks.
+
+    Raises:
+        ResourceError: anything else, naming `nnodes`.
+    """
+    if isinstance(nnodes, int) and not isinstance(nnodes, bool) and nnodes >= 1:
+        return nnodes, nnodes
+    if isinstance(nnodes, str):
+        text = nnodes.strip()
+        if text.isdigit() and int(text) >= 1:
+            return int(text), int(text)
+        low, sep, high = text.partition(":")
+        if sep and low.strip().isdigit() and high.strip().isdigit():
+            lo, hi = int(low), int(high)
+            if 1 <= lo <= hi:
+                return lo, hi
+    raise ResourceError(
+        f"nnodes must be a positive integer or a range 'min:max' with 1 <= min <= max, "
+        f"got {nnodes!r}"
+    )
+
+
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
+
+
+def ray_cluster_address(nnodes: int | str, ray_address: str | None = None) -> str | None:
+    """The Ray cluster that places a launch's nodes, if any.
+
+    `ray_address` when given (even for one node); else `RAY_ADDRESS` for launches of more than
+    one node. None: the launch runs on this machine (or, over several nodes, joins a rendezvous
+    set by hand).
+    """
+    if ray_address:
+        return ray_address
+    if node_range(nnodes)[1] > 1:
+        return os.environ.get(RAY_ADDRESS_ENV) or None
+    return None
+
+
+def plan_launch(
+    gpus: int, gpu_type: str | None, nnodes: int | str = 1, ray_address: str | None = None
+) -> LaunchPlan:
+    """The plan a launch follows: on a Ray cluster's nodes when one places them (this machine's
+    GPUs do not matter), else `resolve_resources` on this machine."""
+    address = ray_cluster_address(nnodes, ray_address)
+    if address is None:
+        return resolve_resources(gpus, gpu_type, nnodes)
+    return cluster_plan(gpus, gpu_type, nnodes, address)
+
+
+def cluster_plan(gpus: int, gpu_type: str | None, nnodes: int | str, address: str) -> LaunchPlan:
+    """The plan of a launch a cluster places, at its largest size: CPU ranks for `gpu_type`
+    "cpu" or none, else GPUs the cluster's nodes must have (Ray checks when it places them)."""
+    low, high = node_range(nnodes)
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise ResourceError(f"gpus must be a positive integer, got {gpus!r}")
+    if gpus % high:
+        raise ResourceError(
+            f"gpus={gpus} does not divide evenly across nnodes={high}: "
+            "each node runs gpus // nnodes ranks"
+        )
+    cpu = gpu_type is None or gpu_type.strip().lower() == "cpu"
+    return LaunchPlan("cpu" if cpu else "cuda", gpus // high, high, min_nodes=low, cluster=address)
+
+
 def resolve_resources(
     gpus: int,
     gpu_type: str | None,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     inventory: GpuInventory | None = None,
 ) -> LaunchPlan:
     """Turn `gpus`/`gpu_type`/`nnodes` into a launch plan, or fail with a clear error.
@@ -220,7 +317,8 @@ def resolve_resources(
         gpus: Total number of ranks across all nodes (one GPU each when on GPUs).
         gpu_type: None for "whatever this machine has", "cpu" to force CPU ranks, or a GPU
             name such as "H100" that must match the GPUs present.
-        nnodes: Number of nodes; `gpus` must divide evenly across them.
+        nnodes: Number of nodes, or an elastic range "min:max" (the plan is for `max`);
+            `gpus` must divide evenly across them.
         inventory: GPUs on this node; detected when not given.
 
     Raises:
@@ -229,8 +327,7 @@ def resolve_resources(
     """
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise ResourceError(f"gpus must be a positive integer, got {gpus!r}")
-    if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
-        raise ResourceError(f"nnodes must be a positive integer, got {nnodes!r}")
+    min_nodes, nnodes = node_range(nnodes)
     if gpus % nnodes:
         raise ResourceError(
             f"gpus={gpus} does not divide evenly across nnodes={nnodes}: "
@@ -238,12 +335,12 @@ def resolve_resources(
         )
     per_node = gpus // nnodes
     if gpu_type is not None and gpu_type.strip().lower() == "cpu":
-        return LaunchPlan("cpu", per_node, nnodes)
+        return LaunchPlan("cpu", per_node, nnodes, min_nodes=min_nodes)
 
     inventory = inventory if inventory is not None else GpuInventory.detect()
     if gpu_type is None:
         if inventory.count == 0:
-            return LaunchPlan("cpu", per_node, nnodes)
+            return LaunchPlan("cpu", per_node, nnodes, min_nodes=min_nodes)
         matching = inventory.names
     else:
         matching = tuple(n for n in inventory.names if gpu_name_matches(gpu_type, n))
@@ -255,7 +352,7 @@ def resolve_resources(
                 logger.warning(
                     "%s; %s=1, so running %d CPU ranks", message, CPU_FALLBACK_ENV, per_node
                 )
-                return LaunchPlan("cpu", per_node, nnodes)
+                return LaunchPlan("cpu", per_node, nnodes, min_nodes=min_nodes)
             raise ResourceError(
                 f"{message}. Set gpu_type=None to use what is present, gpu_type='cpu' for CPU "
                 f"ranks, or {CPU_FALLBACK_ENV}=1 to fall back to CPU ranks with a warning."
@@ -266,4 +363,4 @@ def resolve_resources(
             + (f" of type {gpu_type!r}" if gpu_type else "")
             + f", but this machine has {inventory.describe()}"
         )
-    return LaunchPlan("cuda", per_node, nnodes, gpu_name=matching[0])
+    return LaunchPlan("cuda", per_node, nnodes, gpu_name=matching[0], min_nodes=min_nodes)

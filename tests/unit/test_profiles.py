@@ -6,7 +6,13 @@ import pytest
 from prefect.utilities.templating import apply_values
 
 from deployments.catalog import REPO_ROOT, deployments
-from deployments.profiles import GPU_POOL, ProfileError, requested_size, select_profile
+from deployments.profiles import (
+    GPU_POOL,
+    MULTINODE_POOL,
+    ProfileError,
+    requested_size,
+    select_profile,
+)
 
 
 def test_cpu_runs_go_to_the_process_pool():
@@ -37,12 +43,23 @@ def test_gpu_runs_request_gpus_and_select_nodes_by_product():
         (8, "TPUv5", 1, "gpu_type='TPUv5' has no hardware profile; known: H100"),
         (0, "H100", 1, "gpus and nnodes must be >= 1"),
         (6, "H100", 4, "does not divide evenly"),
-        (16, "H100", 2, "nnodes=2: deployments run on one node"),
+        (16, "cpu", 2, "nnodes=2 with gpu_type='cpu': multi-node runs need a GPU type"),
+        (16, "H100", "4:2", "nnodes='4:2': expected a node count >= 1 or an elastic range"),
     ],
 )
 def test_impossible_sizes_are_refused_before_a_run_exists(gpus, gpu_type, nnodes, message):
     with pytest.raises(ProfileError, match=message):
         select_profile(gpus, gpu_type, nnodes)
+
+
+def test_multi_node_gpu_runs_go_to_the_multinode_pool():
+    profile = select_profile(16, "H100", 2)
+    assert (profile.deployment, profile.work_pool) == ("h100-multinode", MULTINODE_POOL)
+    assert profile.job_variables == {
+        "nnodes": 2,
+        "gpus_per_node": 8,
+        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    }
 
 
 def test_kubernetes_template_renders_gpu_request_and_node_selector():
@@ -59,7 +76,7 @@ def test_kubernetes_template_renders_gpu_request_and_node_selector():
 
 def test_gpu_deployments_in_prefect_yaml_match_their_profile():
     for entry in deployments():
-        if entry.work_pool != GPU_POOL:
+        if entry.work_pool not in (GPU_POOL, MULTINODE_POOL):
             continue
         if "config" in entry.parameters:
             size = requested_size(entry.parameters["config"])

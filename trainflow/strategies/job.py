@@ -83,10 +83,9 @@ def check_before_launch(
     """
     import torch
 
-    from trainflow.resources import resolve_resources
     from trainflow.strategies import build_strategy
 
-    plan = resolve_resources(resources.gpus, resources.gpu_type, resources.nnodes)
+    plan = resources.launch_plan()
     check_framework(technique, workload.framework, device_type=plan.device)
     technique.check_world_size(resources.gpus)
     with torch.device("meta"):
