@@ -7,9 +7,14 @@ DDP on 2 CPU ranks in a few minutes. Run locally (local Prefect, SQLite MLflow s
     python -m flows.sft
     python -m flows.sft --technique fsdp --max-steps 50 --lora
     python -m flows.sft --preset h100          # Llama-3.2-1B-Instruct on trl-lib/Capybara
+    python -m flows.sft --preset gpt-oss-20b   # also gpt-oss-120b, llama-3.2-1b-zero3
+    python -m flows.sft --preset gpt-oss-120b --technique auto --gpu-memory-gb 141
     python -m flows.sft --model meta-llama/Llama-3.2-1B-Instruct --dataset trl-lib/Capybara \\
         --gpus 8 --gpu-type H100 --technique deepspeed
     python -m flows.sft --help
+
+Before launch the flow prints the memory estimate per GPU (`trainflow.memory`), refuses a run
+that does not fit the GPUs, and resolves `--technique auto` to the technique that fits.
 
 Deploy: `prefect --no-prompt deploy --name sft/cpu-local` (see prefect.yaml).
 """
@@ -29,8 +34,10 @@ from flows.skeleton import (
     train,
 )
 from tasks.data import prepare_dataset
+from trainflow import tracking
 from trainflow.cli import pipeline_config, run_pipeline, start_launch_agent
 from trainflow.configs.sft import SFTConfig, SFTJob, load_sft_preset, sft_preset_names
+from trainflow.memory import MemoryPlan, plan_sft
 from trainflow.workloads import WORKLOADS
 
 SFT = WORKLOADS["sft"]
@@ -39,6 +46,8 @@ SFT = WORKLOADS["sft"]
 @flow(name="sft", log_prints=True)
 def sft(config: SFTConfig = load_sft_preset("debug_cpu")) -> DatasetResult:
     """Fine-tune a causal LM: prepare -> train -> evaluate -> register (alias past the gate)."""
+    plan = plan_memory(config)  # refuses what does not fit; `auto` becomes a technique here
+    config = config.with_technique(plan.technique)
     preflight(SFT, config)  # before the data is prepared, which can take long
     data = prepare_dataset(config.data_config())
     lineage = {
@@ -49,12 +58,37 @@ def sft(config: SFTConfig = load_sft_preset("debug_cpu")) -> DatasetResult:
     }
     job = SFTJob(config=config, data=data)
     with tracked_run(SFT, config, lineage, job=job, checked=True) as run:
+        record_memory_plan(run.run_id, plan)
         trained = train(run, config)
         evaluation = evaluate(run, trained)
         registration = register(run, config, evaluation, trained)
     return finish(
         run, config, trained, evaluation, registration, DatasetResult, dataset_uri=data.uri
     )
+
+
+def plan_memory(config: SFTConfig) -> MemoryPlan:
+    """The memory estimate per GPU, printed; `technique: auto` resolved.
+
+    Raises:
+        MemoryFitError: the technique (for auto: every candidate) does not fit the GPUs.
+    """
+    plan = plan_sft(config)
+    for line in plan.lines():
+        print(line)
+    return plan
+
+
+def record_memory_plan(run_id: str, plan: MemoryPlan) -> None:
+    """The estimate and the technique chosen as `memory.*` params of the run; a continued run
+    keeps the values it was started with."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking.tracking_uri())
+    logged = client.get_run(run_id).data.params
+    for key, value in plan.params().items():
+        if key not in logged:
+            client.log_param(run_id, key, value)
 
 
 SUMMARY_METRICS = [
@@ -97,11 +131,13 @@ def _check_files(config: SFTConfig) -> None:
 
 
 def _check_names(config: SFTConfig) -> None:
-    """Scheduler and LoRA target names, checked on the model built on the meta device: the
-    workload's imports (transformers, TRL) load while the Prefect server starts."""
+    """Scheduler and LoRA target names, checked on the model built on the meta device, and
+    the memory estimate (a run that does not fit is refused here, before the server is up):
+    the workload's imports (transformers, TRL) load while the Prefect server starts."""
     start_launch_agent(config, SFT.module)  # its imports run beside these
     from trainflow.workloads.sft import check_names
 
+    plan_sft(config)  # the flow prints it when it starts
     check_names(config)
     import mlflow  # noqa: F401  (the run's tracking, loaded now rather than after the server)
 

@@ -1,12 +1,14 @@
 """Config of the supervised fine-tuning pipeline, its presets, and the quality gate.
 
-Presets are YAML files under `trainflow/presets/sft/` loaded into the same model.
+Presets are YAML files under `trainflow/presets/sft/` loaded into the same model; `tiny_twin`
+turns one into the CPU run of the same recipe on the tiny model of the same family.
 """
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainflow.configs.base import PipelineConfig
 from trainflow.data.config import PRESETS_DIR as DATA_PRESETS_DIR
@@ -15,10 +17,15 @@ from trainflow.gate import Threshold, gate_failures
 from trainflow.paths import SafeName
 from trainflow.strategies.config import (
     DDPConfig,
+    DeepSpeedConfig,
+    FSDPConfig,
     OptimizerConfig,
-    TechniqueConfig,
+    Precision,
     check_framework,
 )
+
+if TYPE_CHECKING:
+    from trainflow.memory import TrainingSetup
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets" / "sft"
 SHIPPED_TOKENIZER = str(REPO_ROOT / "data" / "tokenizer")
@@ -92,6 +99,22 @@ class EvaluationSettings(_Model):
         ]
 
 
+class AutoTechnique(_Model):
+    """Let the memory estimate choose: DDP when a replica fits one GPU, else ZeRO-2, then FSDP
+    full shard, then FSDP with CPU offload (`trainflow.memory`). Resolved when the flow starts."""
+
+    name: Literal["auto"] = Field(default="auto", description="Technique name.")
+
+    def describe(self) -> str:
+        return "auto"
+
+
+SFTTechnique = Annotated[
+    DDPConfig | FSDPConfig | DeepSpeedConfig | AutoTechnique,
+    Field(discriminator="name", description="Parallelism technique and its options."),
+]
+
+
 class SFTConfig(PipelineConfig):
     """Everything the SFT pipeline needs; shown as the run form in the Prefect UI."""
 
@@ -128,19 +151,69 @@ class SFTConfig(PipelineConfig):
     evaluation: EvaluationSettings = Field(
         default_factory=EvaluationSettings, description="Held-out evaluation and the gate."
     )
-    technique: TechniqueConfig = Field(
+    technique: SFTTechnique = Field(
         default_factory=DDPConfig,
-        description="Technique: ddp, fsdp or deepspeed, or a JSON object with its options.",
+        description="Technique: ddp, fsdp, deepspeed, or auto (chosen from the memory "
+        "estimate before launch), or a JSON object with its options.",
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto",
+        description="bf16: the Trainer computes in bfloat16 with fp32 master weights and "
+        "optimizer state, and a LoRA run loads its frozen base in bf16 (GPU). auto: the "
+        "technique's mixed_precision (fsdp, deepspeed), else fp32.",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Recompute each layer's activations in backward (the Trainer's gradient "
+        "checkpointing); under fsdp it becomes technique.activation_checkpointing.",
+    )
+    cpu_ram_efficient_loading: bool = Field(
+        default=False,
+        description="Under fsdp on GPUs: only the first rank reads the pretrained weights; "
+        "the other ranks build the model on the meta device and get their shards by "
+        "broadcast. Other techniques, CPU ranks and tiny models load as usual.",
+    )
+    gpu_memory_gb: float | None = Field(
+        default=None,
+        gt=0,
+        description="GPU memory per GPU in GB (1e9 bytes) for the memory check and technique "
+        "auto; none: detected, else the table for gpu_type.",
     )
     experiment_name: SafeName = Field(default="sft", description="MLflow experiment.")
     registered_model_name: SafeName = Field(
         default="sft", description="MLflow registered model to add a version to."
     )
 
+    @field_validator("technique", mode="before")
+    @classmethod
+    def _technique_by_name(cls, value: Any) -> Any:
+        """`technique: auto` (or any technique's bare name) in a config file means its
+        defaults, as `--technique NAME` does on the command line."""
+        return {"name": value} if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _check(self) -> "SFTConfig":
-        self.technique.check_world_size(self.gpus)
-        check_framework(self.technique, "hf")  # SFT trains with the Hugging Face Trainer
+        technique = self.technique
+        if not isinstance(technique, AutoTechnique):
+            technique.check_world_size(self.gpus)
+            check_framework(technique, "hf")  # SFT trains with the Hugging Face Trainer
+        if isinstance(technique, FSDPConfig | DeepSpeedConfig) and self.precision != "auto":
+            if "mixed_precision" not in technique.model_fields_set:
+                technique.mixed_precision = self.precision  # `--technique fsdp` follows it
+            elif technique.mixed_precision != self.precision:
+                raise ValueError(
+                    f"precision={self.precision!r} but technique.mixed_precision="
+                    f"{technique.mixed_precision!r}: set one of them, or both alike"
+                )
+        if self.gradient_checkpointing and isinstance(technique, FSDPConfig):
+            # Under FSDP it is FSDP's own (accelerate refuses the Trainer's beside it).
+            if "activation_checkpointing" not in technique.model_fields_set:
+                technique.activation_checkpointing = True
+            elif not technique.activation_checkpointing:
+                raise ValueError(
+                    "gradient_checkpointing=true but technique.activation_checkpointing=false: "
+                    "under fsdp they are the same option; set one"
+                )
         known = sorted(p.stem for p in DATA_PRESETS_DIR.glob("*.yaml"))
         if _looks_like_a_file(self.dataset):
             if not Path(self.dataset).expanduser().is_file():
@@ -151,6 +224,54 @@ class SFTConfig(PipelineConfig):
                 "Hub id (owner/name)"
             )
         return self
+
+    def training_fields(self) -> dict[str, Any]:
+        """As `PipelineConfig`'s, less the memory per GPU (a resume may move to other GPUs)."""
+        fields = super().training_fields()
+        fields.pop("gpu_memory_gb", None)
+        return fields
+
+    def compute_precision(self) -> Precision:
+        """bf16 or fp32: `precision`, else the technique's `mixed_precision`, else fp32."""
+        if self.precision != "auto":
+            return self.precision
+        own: Precision | None = getattr(self.technique, "mixed_precision", None)
+        return own or "fp32"
+
+    def weights_dtype(self) -> Precision:
+        """The dtype the model's weights are loaded in.
+
+        bf16 for a LoRA run in bf16 (the frozen base), and under fsdp / deepspeed in bf16 (FSDP
+        upcasts the trained shards to fp32 master weights, DeepSpeed keeps fp32 master copies
+        in its optimizer); otherwise fp32, so DDP's bf16 autocast has fp32 weights to update.
+        """
+        sharded = isinstance(self.technique, FSDPConfig | DeepSpeedConfig)
+        bf16 = self.compute_precision() == "bf16"
+        return "bf16" if bf16 and (self.lora or sharded) else "fp32"
+
+    def activation_checkpointing(self) -> bool:
+        """Whether activations are recomputed: the Trainer's or FSDP's checkpointing."""
+        fsdp = isinstance(self.technique, FSDPConfig) and self.technique.activation_checkpointing
+        return self.gradient_checkpointing or fsdp
+
+    def training_setup(self) -> "TrainingSetup":
+        """What the memory estimate needs to know about this run (`trainflow.memory`)."""
+        from trainflow.memory import TrainingSetup
+
+        return TrainingSetup(
+            micro_batch_size=self.training.per_device_batch_size,
+            seq_len=self.max_length,
+            world_size=self.gpus,
+            precision=self.compute_precision(),
+            weights_dtype=self.weights_dtype(),
+            lora_rank=self.lora_settings.r if self.lora else None,
+            lora_targets=tuple(self.lora_settings.target_modules),
+            activation_checkpointing=self.activation_checkpointing(),
+        )
+
+    def with_technique(self, technique: DDPConfig | FSDPConfig | DeepSpeedConfig) -> "SFTConfig":
+        """This config with `technique` (validated again), as `technique: auto` resolves."""
+        return SFTConfig.model_validate(self.model_dump() | {"technique": technique.model_dump()})
 
     def tokenizer_path(self) -> str:
         """The tokenizer to use: given, the shipped one for tiny models, else the model's."""
@@ -203,6 +324,72 @@ def load_sft_preset(name: str) -> SFTConfig:
     if not path.is_file():
         raise ValueError(f"unknown sft preset {name!r}; known presets: {sft_preset_names()}")
     return SFTConfig.model_validate(yaml.safe_load(path.read_text()))
+
+
+# The tiny architecture standing in for each model family (`tiny_twin`).
+TINY_FAMILIES = {"gpt-oss": "tiny-gpt-oss", "llama": "tiny-llama"}
+
+
+def tiny_family(model: str) -> str:
+    """The tiny architecture of `model`'s family: tiny-gpt-oss for gpt-oss, tiny-llama for Llama.
+
+    Raises:
+        ValueError: no tiny architecture of that family.
+    """
+    if is_tiny(model):
+        return model
+    lowered = model.lower()
+    for family, tiny in TINY_FAMILIES.items():
+        if family in lowered:
+            return tiny
+    raise ValueError(f"no tiny architecture of {model!r}'s family; known: {TINY_FAMILIES}")
+
+
+def tiny_twin(config: SFTConfig, max_steps: int = 8) -> SFTConfig:
+    """The preset's recipe on CPU: what a 2-core machine can run end to end in seconds.
+
+    Kept: the technique and its options (precision aside), LoRA and its settings, activation
+    checkpointing, CPU-RAM-efficient loading (a no-op on CPU ranks), gradient accumulation, the
+    scheduler, the gate and the registered model's name (with `-tiny`). Swapped: the model for
+    the tiny architecture of its family with the shipped tokenizer, the data for the shipped
+    `instructions` (64 tokens), the ranks for 2 gloo CPU ranks with fp32 (bf16 is a GPU
+    setting here), the learning rate for the `debug_cpu` preset's (a tiny model starts from
+    random weights), the steps for `max_steps` (one log, one checkpoint at the end), and a
+    small batch and evaluation.
+    """
+    raw = config.model_dump()
+    technique = dict(raw["technique"])
+    if "mixed_precision" in technique:
+        technique["mixed_precision"] = "fp32"
+    debug = load_sft_preset("debug_cpu")
+    training = raw["training"] | {
+        "per_device_batch_size": 8,
+        "warmup_steps": 0,
+        "logging_steps": max_steps,
+        "optimizer": raw["training"]["optimizer"]
+        | {"learning_rate": debug.training.optimizer.learning_rate},
+    }
+    evaluation = raw["evaluation"] | {"num_samples": 16, "batch_size": 16, "max_new_tokens": 4}
+    return SFTConfig.model_validate(
+        raw
+        | {
+            "model": tiny_family(config.model),
+            "tokenizer": None,
+            "dataset": "instructions",
+            "max_length": 64,
+            "max_steps": max_steps,
+            "checkpoint_every": max_steps,
+            "training": training,
+            "evaluation": evaluation,
+            "technique": technique,
+            "precision": "auto" if raw["precision"] == "auto" else "fp32",
+            "gpu_memory_gb": None,
+            "gpus": 2,
+            "gpu_type": "cpu",
+            "nnodes": 1,
+            "registered_model_name": f"{config.registered_model_name}-tiny",
+        }
+    )
 
 
 class SFTJob(_Model):

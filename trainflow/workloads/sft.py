@@ -10,6 +10,7 @@ the launcher's ranks), once per epoch, and the Trainer reads that loader as it i
 gathers the split, and nothing shards it a second time.
 """
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from trainflow.configs.sft import (
     is_tiny,
     load_sft_preset,
     sft_preset_names,
+    tiny_twin,
 )
 from trainflow.configs.sft import sft_gate_failures as gate_failures
 from trainflow.data.tokenizer import load_tokenizer
@@ -61,6 +63,7 @@ __all__ = [
     "load_sft_preset",
     "log_model",
     "sft_preset_names",
+    "tiny_twin",
     "train",
 ]
 
@@ -464,11 +467,113 @@ def initial_model_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "initial"
 
 
+def efficient_loading(config: SFTConfig, device_type: str) -> bool:
+    """Whether only the first rank reads the pretrained weights (accelerate's
+    `cpu_ram_efficient_loading`): asked for, under fsdp, on GPUs, for a pretrained model."""
+    return (
+        config.cpu_ram_efficient_loading
+        and config.technique.name == "fsdp"
+        and device_type == "cuda"
+        and not is_tiny(config.model)
+    )
+
+
+# What transformers and accelerate read for CPU-RAM-efficient loading (`is_fsdp_enabled`); the
+# Trainer's arguments set the same values again later.
+EFFICIENT_LOADING_ENV = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+    "FSDP_SYNC_MODULE_STATES": "true",
+}
+
+
+def pretrained_kwargs(config: SFTConfig) -> dict[str, Any]:
+    """`from_pretrained` options: the weights' dtype, and MXFP4 experts (gpt-oss) dequantized,
+    since quantized weights cannot be trained or sharded."""
+    import torch
+    from transformers import AutoConfig
+
+    dtype = torch.bfloat16 if config.weights_dtype() == "bf16" else torch.float32
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    quantization = getattr(AutoConfig.from_pretrained(config.model), "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method == "mxfp4":
+        from transformers.utils.quantization_config import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+    return kwargs
+
+
+def empty_pretrained_model(config: SFTConfig) -> PreTrainedModel:
+    """The pretrained model's architecture, its parameters on the meta device (no memory, no
+    weights read; buffers such as rotary frequencies are real), in `SFTConfig.weights_dtype`.
+
+    What the ranks but the first build under `efficient_loading`: accelerate shards it and
+    fills the shards from the first rank's weights by broadcast. (transformers' own path,
+    `from_pretrained` on every rank, still reads the weights on each rank of a quantized
+    checkpoint such as gpt-oss's MXFP4 one.)
+    """
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if config.weights_dtype() == "bf16" else torch.float32
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(config.model), dtype=dtype
+        )
+    model.tie_weights()  # the meta parameters were made one by one: tie them again
+    return model  # type: ignore[no-any-return]
+
+
+def load_training_model(
+    config: SFTConfig, tokenizer: Any, device_type: str, *, seed: int
+) -> PreTrainedModel:
+    """The model to train on this rank: a tiny one built from its config, or the pretrained
+    checkpoint in `SFTConfig.weights_dtype` (read by the first rank only, with
+    `efficient_loading`)."""
+    if is_tiny(config.model):
+        model = build_causal_lm(config.model, tokenizer, seed=seed)
+        return model.bfloat16() if config.weights_dtype() == "bf16" else model
+    from transformers import AutoModelForCausalLM
+
+    if efficient_loading(config, device_type):
+        os.environ.update(EFFICIENT_LOADING_ENV)
+        if not runtime.is_rank_zero():
+            return empty_pretrained_model(config)
+    return AutoModelForCausalLM.from_pretrained(config.model, **pretrained_kwargs(config))
+
+
+def precision_arguments(config: SFTConfig) -> dict[str, Any]:
+    """Trainer settings beside the technique's: bf16 autocast (which fsdp and deepspeed set
+    themselves from their `mixed_precision`) and gradient checkpointing."""
+    args: dict[str, Any] = {}
+    if config.compute_precision() == "bf16":
+        args["bf16"] = True
+    if config.gradient_checkpointing and config.technique.name != "fsdp":
+        # (Under fsdp the technique's activation_checkpointing does it.) Non-reentrant: DDP's
+        # hooks see each parameter's gradient once.
+        args["gradient_checkpointing"] = True
+        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    return args
+
+
 def _trainer_config(config: SFTConfig, strategy: Strategy, model: Any, out: Path) -> Any:
     """TRL's `SFTConfig` for this run: steps, batches, optimizer, and the technique's settings."""
     from trl import SFTConfig as TrainerConfig
 
     t, opt = config.training, config.training.optimizer
+    technique = strategy.hf_trainer_args(
+        micro_batch_size=t.per_device_batch_size,
+        grad_accum_steps=t.grad_accum_steps,
+        optimizer=opt,
+        layer_classes=_layer_classes(model),
+    )
+    if efficient_loading(config, strategy.device.type):
+        technique["fsdp_config"] = technique["fsdp_config"] | {
+            "cpu_ram_efficient_loading": True,
+            "sync_module_states": True,
+        }
     return TrainerConfig(
         output_dir=str(checkpoints_dir(out)),
         max_steps=config.max_steps,
@@ -495,12 +600,7 @@ def _trainer_config(config: SFTConfig, strategy: Strategy, model: Any, out: Path
         dataloader_num_workers=0,
         dataset_kwargs={"skip_prepare_dataset": True},
         disable_tqdm=True,
-        **strategy.hf_trainer_args(
-            micro_batch_size=t.per_device_batch_size,
-            grad_accum_steps=t.grad_accum_steps,
-            optimizer=opt,
-            layer_classes=_layer_classes(model),
-        ),
+        **(technique | precision_arguments(config)),
     )
 
 
@@ -559,7 +659,7 @@ def train(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(config.tokenizer_path())
-    model = build_causal_lm(config.model, tokenizer, seed=config.training.seed)
+    model = load_training_model(config, tokenizer, strategy.device.type, seed=config.training.seed)
     if runtime.is_rank_zero() and is_tiny(config.model):
         model.save_pretrained(initial_model_dir(out))
         tokenizer.save_pretrained(initial_model_dir(out))
