@@ -69,6 +69,8 @@ PLACEMENT_TIMEOUT_ENV = "TRAINFLOW_RAY_PLACEMENT_TIMEOUT"
 DEFAULT_PLACEMENT_TIMEOUT_S = 300.0
 # With an elastic range, how long to try a larger gang before settling for fewer nodes.
 RANGE_STEP_TIMEOUT_S = 10.0
+# How often a gang below its range's largest size looks for room for another node.
+GROW_CHECK_S = 5.0
 # How long a node's actor holds a poll open waiting for rank lines.
 POLL_WAIT_S = 0.5
 # A node whose actor has not answered for this long is taken as lost.
@@ -206,6 +208,10 @@ class _Node:
         )
 
 
+class _Grow(Exception):
+    """The gang stopped to re-form on more nodes (not a failure: no restart is used)."""
+
+
 class NodeLostError(LaunchError):
     """A node of a multi-node launch died (its Ray node, its actor, or all its processes)."""
 
@@ -281,13 +287,18 @@ class RayLaunch:
                 count += 1
         return count
 
-    def _place(self, bundle: dict[str, float], exclude: set[str]) -> tuple[Any, int]:
+    def _place(
+        self, bundle: dict[str, float], exclude: set[str], at_least: int = 0
+    ) -> tuple[Any, int]:
+        """A ready placement group of as many nodes as fit within the range (trying
+        `at_least` first: the size a growing gang saw room for, while its own bundles are
+        still being released)."""
         from ray.util.placement_group import placement_group, remove_placement_group
 
         low, high = self.plan.min_nodes or self.plan.nnodes, self.plan.nnodes
         fit = self._nodes_that_fit(bundle, exclude)
         timeout = _placement_timeout()
-        sizes = list(range(min(high, max(fit, low)), low - 1, -1))
+        sizes = list(range(min(high, max(fit, low, at_least)), low - 1, -1))
         for size in sizes:
             pg = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_SPREAD")
             wait = timeout if size == low else min(RANGE_STEP_TIMEOUT_S, timeout)
@@ -409,13 +420,31 @@ class RayLaunch:
             with contextlib.suppress(Exception):
                 self.ray.kill(n.actor, no_restart=True)
 
-    def _run_gang(self, nodes: list[_Node]) -> LaunchResult:
+    def _may_grow(self, nodes: list[_Node]) -> bool:
+        """An elastic range below its largest size, with restarts allowed (the function
+        continues from its checkpoints), grows when the cluster has room for another node."""
+        low, high = self.plan.min_nodes or self.plan.nnodes, self.plan.nnodes
+        return low < high and len(nodes) < high and self.options.max_restarts > 0
+
+    def _run_gang(
+        self, nodes: list[_Node], bundle: dict[str, float], lost: set[str]
+    ) -> LaunchResult:
         failed_at: float | None = None
         user_stop = self.options.stop_file
+        next_grow_check = time.monotonic() + GROW_CHECK_S
         while True:
             self._poll(nodes)
             if all(n.outcome is not None and n.outcome[0] == "ok" for n in nodes):
                 return self._gather(nodes)
+            now = time.monotonic()
+            if failed_at is None and now >= next_grow_check and self._may_grow(nodes):
+                next_grow_check = now + GROW_CHECK_S
+                if self._nodes_that_fit(bundle, lost) > 0:
+                    # Stop as for a preemption (a final checkpoint), then re-form larger.
+                    self._stop(nodes, self.options.stop_grace + 5)
+                    if all(n.outcome is not None and n.outcome[0] == "ok" for n in nodes):
+                        return self._gather(nodes)  # it finished meanwhile
+                    raise _Grow(f"a node joined: growing from {len(nodes)} node(s)")
             bad = [n for n in nodes if n.lost or (n.outcome and n.outcome[0] == "error")]
             if bad and failed_at is None:
                 failed_at = time.monotonic()
@@ -496,12 +525,19 @@ class RayLaunch:
         restarts_left = self.options.max_restarts
         attempt = 0
         lost: set[str] = set()  # Ray nodes lost by earlier attempts: not counted on again
+        grow_to = 0
         while True:
-            pg, size = self._place(bundle, lost)
+            pg, size = self._place(bundle, lost, grow_to)
+            grow_to = 0
             nodes: list[_Node] = []
             try:
                 nodes = self._start_gang(pg, size, shipment)
-                return self._run_gang(nodes)
+                return self._run_gang(nodes, bundle, lost)
+            except _Grow as grow:
+                grow_to = size + 1
+                logger.warning("%s; re-forming the nodes", grow)
+                if self.user_sink is None:
+                    print(f"[trainflow] {grow}; re-forming the nodes", flush=True)
             except LaunchError as exc:
                 if restarts_left <= 0 or not (isinstance(exc, NodeLostError) or is_transient(exc)):
                     raise

@@ -6,6 +6,7 @@ process the module started is stopped through the cluster's own handles (never `
 which would stop every Ray process on the machine), and the test checks they are gone.
 """
 
+import contextlib
 import json
 import os
 import threading
@@ -169,6 +170,8 @@ def steps_with_checkpoints(folder: str, total: int) -> dict:
             tmp.write_text(json.dumps({"step": step + 1, "world": int(t.item())}))
             tmp.replace(ckpt)
         runtime.heartbeat(step)
+        if runtime.should_stop():  # asked to stop (a re-forming gang): the checkpoint is saved
+            break
         time.sleep(0.3)
     return {"start": start, "world": runtime.get_world_size()}
 
@@ -269,3 +272,31 @@ def test_more_nodes_than_the_cluster_has_is_refused_naming_both(ray_cluster, mon
     assert not (trainflow_home() / "runs").exists()  # no rank started anywhere
     table = ray.util.placement_group_table()
     assert all(pg["state"] == "REMOVED" for pg in table.values())
+
+
+def test_an_elastic_range_grows_when_a_node_frees_up_and_resumes(ray_cluster, tmp_path):
+    holder = _Holder.remote()  # keeps one worker node busy: the run starts on one node
+    ray.get(holder.ping.remote(), timeout=60)
+    ckpt = tmp_path / "step.json"
+
+    def free_the_node() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                if json.loads(ckpt.read_text())["step"] >= 3:
+                    break
+            time.sleep(0.1)
+        ray.kill(holder)
+
+    thread = threading.Thread(target=free_the_node, daemon=True)
+    thread.start()
+    fn = distributed(gpus=2, gpu_type="cpu", nnodes="1:2", max_restarts=1, init_process_group=True)(
+        steps_with_checkpoints
+    )
+    results = fn.distributed(str(tmp_path), 40)
+    thread.join(timeout=5)
+    # The first gang ran on one node; once the second was free it stopped at a checkpoint and
+    # the gang re-formed on both, continuing from there.
+    assert [r["world"] for r in results] == [2, 2]
+    assert results[0]["start"] >= 3
+    assert json.loads(ckpt.read_text()) == {"step": 40, "world": 2}
