@@ -18,10 +18,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from prefect import flow  # noqa: E402
+from prefect import flow, get_client  # noqa: E402
+from prefect.client.schemas.sorting import LogSort  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from flows.techniques import techniques  # noqa: E402
+from tests.conftest import flush_prefect_logs  # noqa: E402
 from trainflow import distributed, runtime  # noqa: E402
 from trainflow.configs.mlp import MLPConfig  # noqa: E402
 from trainflow.errors import LaunchError  # noqa: E402
@@ -153,6 +155,11 @@ def test_a_technique_subflow_runs_on_two_ray_nodes(ray_cluster, prefect_api, tmp
     specs = [json.loads(p.read_text()) for p in (trainflow_home() / "runs").glob("*/spec.json")]
     assert sorted(s["rdzv_is_host"] for s in specs) == [False, True]
     assert {s["nnodes"] for s in specs} == {2}
+    # Rank lines reach the run's logs in Prefect, prefixed with node and rank.
+    flush_prefect_logs()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(limit=200, sort=LogSort.TIMESTAMP_DESC)
+    assert any(log.message.startswith("[node 0 rank 0] ") for log in logs)
 
 
 def steps_with_checkpoints(folder: str, total: int) -> dict:
@@ -174,6 +181,13 @@ def steps_with_checkpoints(folder: str, total: int) -> dict:
             break
         time.sleep(0.3)
     return {"start": start, "world": runtime.get_world_size()}
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _rank_pids() -> list[int]:
@@ -215,9 +229,9 @@ def test_a_lost_node_ends_the_launch_naming_it_and_no_rank_waits(ray_cluster, tm
         pids = _rank_pids()
         assert len(pids) == 2
         deadline = time.monotonic() + 10
-        while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [p for p in pids if psutil.pid_exists(p)], "ranks left running"
+        assert not [p for p in pids if _running(p)], "ranks left running"
         table = ray.util.placement_group_table()
         assert all(pg["state"] == "REMOVED" for pg in table.values())
     finally:
@@ -300,3 +314,79 @@ def test_an_elastic_range_grows_when_a_node_frees_up_and_resumes(ray_cluster, tm
     assert [r["world"] for r in results] == [2, 2]
     assert results[0]["start"] >= 3
     assert json.loads(ckpt.read_text()) == {"step": 40, "world": 2}
+
+
+DRIVER = """
+import time
+
+from trainflow import distributed, runtime
+
+
+def work():
+    import torch
+    import torch.distributed as dist
+
+    for step in range(100000):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        runtime.heartbeat(step)
+        if runtime.should_stop():
+            print(f"stopping at step {step}", flush=True)
+            return step
+        time.sleep(0.1)
+
+
+fn = distributed(gpus=2, gpu_type="cpu", nnodes=2, init_process_group=True, stop_grace=20)(work)
+fn.distributed()
+"""
+
+
+def test_ctrl_c_on_the_driver_stops_every_node_at_a_step_and_releases_the_gang(
+    ray_cluster, tmp_path
+):
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    home = tmp_path / "trainflow-home"
+    env = {**os.environ, "TRAINFLOW_HOME": str(home), "RAY_ADDRESS": ray_cluster.address}
+    driver = subprocess.Popen(
+        [sys.executable, str(script)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(driver.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(home.glob("runs/*/ranks/rank_*.pid"))) < 2:
+            assert driver.poll() is None, "".join(seen)
+            assert time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.2)
+        time.sleep(2)  # a few steps in
+        pids = [json.loads(p.read_text())["pid"] for p in home.glob("runs/*/ranks/rank_*.pid")]
+        os.killpg(driver.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        driver.wait(timeout=60)
+        reader.join(timeout=10)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    out = "".join(seen)
+    assert driver.returncode != 0
+    assert "KeyboardInterrupt" in out
+    # Both nodes' ranks agreed on a step, stopped there, and are gone.
+    assert "[node 0 rank 0] stopping at step" in out and "[node 1 rank 1] stopping at step" in out
+    deadline = time.monotonic() + 10
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if _running(p)], [psutil.Process(p).status() for p in pids]
+    if not ray.is_initialized():
+        ray.init(address=ray_cluster.address)
+    table = ray.util.placement_group_table()
+    assert table and all(pg["state"] == "REMOVED" for pg in table.values())
