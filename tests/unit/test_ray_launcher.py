@@ -83,3 +83,15 @@ def test_without_ray_installed_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the extra were not installed
     with pytest.raises(LaunchConfigError, match=r"pip install 'trainflow\[ray\]'"):
         RayLaunch(LaunchOptions(gpus=2, nnodes=2, ray_address="auto"), None)
+
+
+def test_the_local_launcher_never_imports_ray():
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from trainflow import distributed\n"
+        "import trainflow.launcher, trainflow.ray_launcher\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
