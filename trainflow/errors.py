@@ -187,3 +187,21 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (PayloadError, LaunchConfigError)):
         return False
     return isinstance(exc, LaunchError)
+
+
+def is_root_cause(exc: BaseException) -> bool:
+    """A rank's own error, not one of waiting on a peer (across nodes, the cause to report)."""
+    return isinstance(exc, RankError) and not is_collective_failure(
+        exc.exc_type, exc.remote_message or ""
+    )
+
+
+def failure_rank(exc: BaseException) -> int:
+    """How much an error says about a failure: 0 a rank's own error, 1 a rank's error waiting
+    on a peer, 2 anything else (sort by it to report the first real cause)."""
+    return 0 if is_root_cause(exc) else 1 if isinstance(exc, RankError) else 2
+
+
+def first_line(text: str) -> str:
+    """The first non-blank line of `text`, stripped."""
+    return next((line for line in text.strip().splitlines() if line.strip()), text).strip()

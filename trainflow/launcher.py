@@ -71,7 +71,7 @@ from trainflow.errors import (
     is_collective_failure,
 )
 from trainflow.paths import trainflow_home
-from trainflow.resources import LaunchPlan, node_range, resolve_resources
+from trainflow.resources import LaunchPlan, node_range, ray_cluster_address, resolve_resources
 from trainflow.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
@@ -775,8 +775,15 @@ def standby(options: LaunchOptions, preload: Sequence[str] = ()) -> Callable[[],
     options already waiting is kept instead of starting another. Returns a call that stops the
     agent if no launch has used it (call it when the launch will not come, e.g. when the
     pipeline ends). Nothing happens for remote launches, or with TRAINFLOW_STANDBY=0.
+
+    A process that leads follower nodes (`trainflow.follow`) starts its launch board here for a
+    multi-node launch, TRAINFLOW_STANDBY=0 or not: its followers wait for it.
     """
-    if options.remote or os.environ.get(STANDBY_ENV) == "0":
+    if options.remote or ray_cluster_address(options.nnodes, options.ray_address):
+        return lambda: None  # the ranks run elsewhere
+    # A leader's followers wait for its launch board: it comes up with the pipeline.
+    _launch_board(options)
+    if os.environ.get(STANDBY_ENV) == "0":
         return lambda: None
     res = resolve_resources(options.gpus, options.gpu_type, options.nnodes)
     env, method = _launch_env(options, res), _start_method(res)
@@ -1342,7 +1349,24 @@ def launch(
         return ray_launcher.launch(
             fn, tuple(args), dict(kwargs or {}), options=options, on_line=on_line
         )
+    board = _launch_board(options)
+    if board is not None:
+        from trainflow import follow
+
+        return follow.lead(board, fn, tuple(args), dict(kwargs or {}), options, on_line)
     return _Launch(fn, options, on_line or _print_line).run(tuple(args), dict(kwargs or {}))
+
+
+def _launch_board(options: LaunchOptions) -> Any:
+    """The launch board this process hosts for follower nodes (`trainflow.follow`), for a
+    multi-node launch that no Ray cluster places; None otherwise, or when not enabled."""
+    if node_range(options.nnodes)[1] == 1 or ray_cluster_address(
+        options.nnodes, options.ray_address
+    ):
+        return None
+    from trainflow import follow
+
+    return follow.leader_board()
 
 
 class DistributedFunction(Generic[P, R]):
@@ -1435,7 +1459,9 @@ def distributed(
             cluster (`ray_address`, or RAY_ADDRESS), the call places every node on the cluster
             and returns all ranks' values (`trainflow.ray_launcher`). Without Ray, call
             `.distributed()` on every node with TRAINFLOW_RDZV_ENDPOINT and TRAINFLOW_RUN_ID set
-            alike; each node returns the values of its own ranks.
+            alike; each node returns the values of its own ranks. Or call it on the first node
+            only, with TRAINFLOW_LAUNCH_BOARD set too, and run `python -m trainflow.follow` on
+            the others (`trainflow.follow`); the call returns the first node's values.
         timeout: Seconds for the whole call; past it every rank is stopped and
             `LaunchTimeoutError` names the ranks still running.
         init_process_group: Initialise the default process group (gloo on CPU, nccl on CUDA

@@ -45,9 +45,10 @@ import cloudpickle
 from trainflow.errors import (
     LaunchConfigError,
     LaunchError,
-    RankError,
     StopRequested,
-    is_collective_failure,
+    failure_rank,
+    first_line,
+    is_root_cause,
     is_transient,
 )
 from trainflow.launcher import (
@@ -391,7 +392,7 @@ class RayLaunch:
             try:
                 lines, outcome = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError) as exc:
-                n.lost = _first_line(str(exc))
+                n.lost = first_line(str(exc))
                 continue
             n.answered_at = now
             for rank, line in lines:
@@ -452,9 +453,7 @@ class RayLaunch:
             # shows first as collective errors elsewhere, so those wait for the whole story.
             # Either way the other nodes' ranks are then stopped, never waited for.
             settled = all(n.lost or n.outcome for n in nodes) or any(
-                _is_root_cause(cloudpickle.loads(n.outcome[1]))
-                for n in bad
-                if n.outcome is not None
+                is_root_cause(cloudpickle.loads(n.outcome[1])) for n in bad if n.outcome is not None
             )
             if failed_at is not None and (
                 settled or time.monotonic() - failed_at > FAILURE_GRACE_S
@@ -476,17 +475,13 @@ class RayLaunch:
         ]
         if lost:
             first = lost[0]
-            others = "".join(f"\n{n.name()} then failed: {_first_line(str(e))}" for n, e in errors)
+            others = "".join(f"\n{n.name()} then failed: {first_line(str(e))}" for n, e in errors)
             return NodeLostError(
                 f"{first.name()} was lost: {first.lost}.{others}\n"
                 "The other nodes' ranks were stopped."
             )
 
-        def rank(item: tuple[_Node, BaseException]) -> int:
-            exc = item[1]
-            return 0 if _is_root_cause(exc) else 1 if isinstance(exc, RankError) else 2
-
-        node, exc = sorted(errors, key=rank)[0]
+        node, exc = sorted(errors, key=lambda item: failure_rank(item[1]))[0]
         if isinstance(exc, LaunchError):
             exc.args = (f"on {node.name()}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
             return exc
@@ -546,11 +541,11 @@ class RayLaunch:
                 logger.warning(
                     "attempt %d failed (%s); re-forming the nodes (%d restart(s) left)",
                     attempt,
-                    _first_line(str(exc)),
+                    first_line(str(exc)),
                     restarts_left,
                 )
                 if self.user_sink is None:
-                    print(f"[trainflow] re-forming the nodes after: {_first_line(str(exc))}")
+                    print(f"[trainflow] re-forming the nodes after: {first_line(str(exc))}")
             except BaseException:
                 if nodes:
                     self._stop(nodes, self.options.stop_grace)
@@ -560,17 +555,6 @@ class RayLaunch:
                 self._kill(nodes)
                 with contextlib.suppress(Exception):
                     remove_placement_group(pg)
-
-
-def _is_root_cause(exc: BaseException) -> bool:
-    """A rank's own error, not one of waiting on a peer."""
-    return isinstance(exc, RankError) and not is_collective_failure(
-        exc.exc_type, exc.remote_message or ""
-    )
-
-
-def _first_line(text: str) -> str:
-    return next((line for line in text.strip().splitlines() if line.strip()), text).strip()
 
 
 def launch(

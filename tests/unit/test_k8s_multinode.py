@@ -9,7 +9,10 @@ import asyncio
 import copy
 import io
 import json
+import os
 import re
+import subprocess
+import sys
 import uuid
 from contextlib import redirect_stdout
 
@@ -36,6 +39,7 @@ from deployments.profiles import (
     select_profile,
     service_manifest,
 )
+from trainflow.follow import BOARD_ENV, NODE_INDEX_ENV
 from trainflow.launcher import RDZV_ENDPOINT_ENV, RUN_ID_ENV
 
 # The oldest schema every feature used here is GA in (podFailurePolicy 1.31), and the newest.
@@ -123,9 +127,39 @@ def test_every_pod_gets_the_same_rendezvous_on_pod_zero(gpus, gpu_type, nnodes):
     # a record for it.
     assert env[RDZV_ENDPOINT_ENV] == f"{pod_zero_fqdn}:{port}"
     assert env[RUN_ID_ENV] == job_name
+    # Pod 0 also hosts the launch board its followers read each launch from.
+    assert names.index(JOB_NAME_ENV) < names.index(BOARD_ENV)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["launch-board"] != ports["rendezvous"] == port
+    assert env[BOARD_ENV] == f"{pod_zero_fqdn}:{ports['launch-board']}"
     assert all(DNS_LABEL.match(part) and len(part) <= 63 for part in pod_zero_fqdn.split("."))
     assert len(f"{job_name}-{nnodes - 1}") <= 63  # the pods' hostnames
     assert service["spec"]["ports"][0]["port"] == port
+
+
+def test_pod_zero_runs_the_flow_run_and_the_other_pods_follow():
+    """The container's command, run as the kubelet would (command, then args) by a real shell:
+    pod 0 executes Prefect's command; any other index starts `python -m trainflow.follow`."""
+    job, _ = render_manifests(select_profile(16, "H100", 2), command="echo flow-run execute")
+    _, _, container = _pod(job)
+    assert container["args"] == ["echo", "flow-run", "execute"]
+    argv = [*container["command"], *container["args"]]
+    assert "$(" not in json.dumps(argv)  # nothing the kubelet would expand
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"}
+    for index in ({}, {NODE_INDEX_ENV: "0"}):
+        pod_zero = subprocess.run(
+            argv, env={**env, **index}, capture_output=True, text=True, timeout=30
+        )
+        assert (pod_zero.returncode, pod_zero.stdout) == (0, "flow-run execute\n")
+    # A follower without a board to read from says so (exit 2) instead of running the flow.
+    pod_one = subprocess.run(
+        argv, env={**env, NODE_INDEX_ENV: "1"}, capture_output=True, text=True, timeout=60
+    )
+    assert pod_one.stdout == ""
+    assert pod_one.returncode == 2, pod_one.stderr
+    assert pod_one.stderr.startswith(
+        f"python -m trainflow.follow: error: no launch board: set {BOARD_ENV}=host:port"
+    )
 
 
 def test_variables_reach_the_rendered_objects():
@@ -140,10 +174,12 @@ def test_variables_reach_the_rendered_objects():
         cluster_domain="k8s.example",
         shm_size="16Gi",
         command="python -m flows.mlp",
+        board_port=23457,
     )
     labels, pod, container = _pod(job)
     env = _expand(container["env"])
     assert env[RDZV_ENDPOINT_ENV].endswith("-0.rdzv.research.svc.k8s.example:23456")
+    assert env[BOARD_ENV].endswith("-0.rdzv.research.svc.k8s.example:23457")
     assert env["HF_TOKEN_FILE"] == "/secrets/hf"
     assert env["PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR"] == "crash"
     assert labels["labels"] == {SERVICE_LABEL: "rdzv", "team": "nlp"}
@@ -182,7 +218,7 @@ def test_template_placeholders_are_declared_and_defaults_fit_their_schema():
     job_manifest = template["job_configuration"]["job_manifest"]
     _, _, container = _pod(job_manifest)
     env_names = [e["name"] for e in container["env"]]
-    assert {RDZV_ENDPOINT_ENV, RUN_ID_ENV} <= set(env_names)
+    assert {RDZV_ENDPOINT_ENV, RUN_ID_ENV, BOARD_ENV} <= set(env_names)
 
 
 @pytest.mark.parametrize("size", [(16, "H100", 2), (32, "A100", "2:4"), (8, "L4", 1)])
