@@ -13,6 +13,14 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# A test run started in the background by a script (`pytest &`) inherits SIGINT ignored, and
+# so would every process the tests start: the Ctrl-C the tests send as a terminal would (SIGINT
+# to a foreground process group) would do nothing. The processes tests start are such
+# foreground jobs: they get SIGINT's default again (an exec resets a handled signal, not an
+# ignored one).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def free_port() -> int:
     """A loopback port that is free right now."""
