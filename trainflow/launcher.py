@@ -68,6 +68,7 @@ from trainflow.errors import (
     RankError,
     RemoteNotConfiguredError,
     StopRequested,
+    first_line,
     is_collective_failure,
 )
 from trainflow.paths import trainflow_home
@@ -597,10 +598,6 @@ def _read_errors(rd: RunDir) -> dict[int, dict[str, Any]]:
 
 def _first_failure(errors: dict[int, dict[str, Any]]) -> int:
     return min(errors, key=lambda r: (errors[r]["time"], r))
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
 
 
 def _shipped_cause(rec: dict[str, Any]) -> BaseException | None:
@@ -1175,7 +1172,7 @@ class _Launch:
             rd,
             pgid,
             first,
-            f"{rec['type_name']}: {_first_line(rec['message'])}",
+            f"{rec['type_name']}: {first_line(rec['message'])}",
             f"Traceback from rank {first}:\n{self._traceback(rec)}",
         )
         if error is not None:
@@ -1281,7 +1278,7 @@ class _Launch:
         error = LaunchError(
             f"{_ranks_text(gone)} died without a Python error (killed by a signal: SIGKILL, "
             f"the OOM killer, ...); rank {first} then failed in a collective with "
-            f"{rec['type_name']}: {_first_line(rec['message'])}"
+            f"{rec['type_name']}: {first_line(rec['message'])}"
             f"\n\nTraceback from rank {first}:\n{self._traceback(rec)}"
             f"\n\nRank logs: {log_dir}",
             log_dir=log_dir,

@@ -47,14 +47,11 @@ reported and nothing is refused.
 the same estimate); FSDP with CPU offload; and takes the first that fits (`choose_technique`).
 """
 
-import os
-import shutil
-import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from trainflow.resources import gpu_name_matches
+from trainflow.resources import gpu_name_matches, query_gpus
 from trainflow.strategies.config import DDPConfig, DeepSpeedConfig, FSDPConfig, Precision
 
 if TYPE_CHECKING:
@@ -407,29 +404,12 @@ class Available:
 def detect_gpu_memory(gpu_type: str | None) -> tuple[float, str] | None:
     """Memory in GB of the smallest visible GPU matching `gpu_type` (any, when None), and its
     name; None without `nvidia-smi` or a matching GPU. Honours `CUDA_VISIBLE_DEVICES`."""
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (subprocess.SubprocessError, OSError):
-        return None
     rows: list[tuple[str, float]] = []
-    for line in out.splitlines():
-        name, _, mib = line.rpartition(",")
+    for name, mib in query_gpus("name", "memory.total") or []:
         try:
-            rows.append((name.strip(), float(mib) * 2**20 / GB))
+            rows.append((name, float(mib) * 2**20 / GB))
         except ValueError:
             continue
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        picked = [v.strip() for v in visible.split(",") if v.strip().isdigit()]
-        rows = [rows[int(i)] for i in picked if int(i) < len(rows)]
     if gpu_type is not None:
         rows = [r for r in rows if gpu_name_matches(gpu_type, r[0])]
     if not rows:

@@ -223,9 +223,9 @@ def _forwarded_env(options: LaunchOptions) -> dict[str, str]:
     return env
 
 
-def _bundle(options: LaunchOptions, per_node: int) -> tuple[dict[str, float], dict[str, Any]]:
+def _bundle(plan: LaunchPlan) -> tuple[dict[str, float], dict[str, Any]]:
     """One node's bundle and its actor's resource options."""
-    plan = resolve_plan(options)
+    per_node = plan.nproc_per_node
     if plan.device == "cuda":
         return {"GPU": per_node, "CPU": 1}, {"num_gpus": per_node, "num_cpus": 1}
     return {"CPU": per_node}, {"num_cpus": per_node}
@@ -245,6 +245,7 @@ class RayLaunch:
         self.user_sink = sink
         self.address = ray_address(options)
         self.plan = resolve_plan(options)
+        self.bundle, self.actor_resources = _bundle(self.plan)
         self.ray = _import_ray()
 
     # -- lines ---------------------------------------------------------------------------
@@ -266,10 +267,8 @@ class RayLaunch:
             configure_logging=False,
         )
 
-    def _nodes_that_fit(
-        self, bundle: dict[str, float], exclude: set[str], free_now: bool = True
-    ) -> int:
-        """Alive Ray nodes (not known lost) with room for `bundle`: free now, or in all."""
+    def _nodes_that_fit(self, exclude: set[str], free_now: bool = True) -> int:
+        """Alive Ray nodes (not known lost) with room for one bundle: free now, or in all."""
         try:
             from ray._private import state
 
@@ -284,24 +283,22 @@ class RayLaunch:
             if not node.get("Alive") or node_id in exclude:
                 continue
             have = node.get("Resources", {}) if free is None else free.get(node_id, {})
-            if all(have.get(k, 0) >= v for k, v in bundle.items()):
+            if all(have.get(k, 0) >= v for k, v in self.bundle.items()):
                 count += 1
         return count
 
-    def _place(
-        self, bundle: dict[str, float], exclude: set[str], at_least: int = 0
-    ) -> tuple[Any, int]:
+    def _place(self, exclude: set[str], at_least: int = 0) -> tuple[Any, int]:
         """A ready placement group of as many nodes as fit within the range (trying
         `at_least` first: the size a growing gang saw room for, while its own bundles are
         still being released)."""
         from ray.util.placement_group import placement_group, remove_placement_group
 
         low, high = self.plan.min_nodes or self.plan.nnodes, self.plan.nnodes
-        fit = self._nodes_that_fit(bundle, exclude)
+        fit = self._nodes_that_fit(exclude)
         timeout = _placement_timeout()
         sizes = list(range(min(high, max(fit, low, at_least)), low - 1, -1))
         for size in sizes:
-            pg = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_SPREAD")
+            pg = placement_group([dict(self.bundle) for _ in range(size)], strategy="STRICT_SPREAD")
             wait = timeout if size == low else min(RANGE_STEP_TIMEOUT_S, timeout)
             ready, _ = self.ray.wait([pg.ready()], timeout=wait)
             if ready:
@@ -309,8 +306,8 @@ class RayLaunch:
             remove_placement_group(pg)
         raise LaunchError(
             f"the Ray cluster at {self.address or 'the connected address'} could not reserve "
-            f"nnodes={self.options.nnodes} node(s) of {bundle} each on distinct Ray nodes within "
-            f"{timeout:.0f}s ({self._nodes_that_fit(bundle, exclude, free_now=False)} node(s) "
+            f"nnodes={self.options.nnodes} node(s) of {self.bundle} each on distinct Ray nodes "
+            f"within {timeout:.0f}s ({self._nodes_that_fit(exclude, free_now=False)} node(s) "
             f"have room for one, {fit} of them free when asked; "
             f"{PLACEMENT_TIMEOUT_ENV} sets the wait)"
         )
@@ -320,7 +317,6 @@ class RayLaunch:
         ray = self.ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle, actor_resources = _bundle(self.options, self.plan.nproc_per_node)
         runner = ray.remote(_NodeRunner)
         actors = [
             runner.options(
@@ -329,7 +325,7 @@ class RayLaunch:
                 ),
                 max_restarts=0,
                 max_concurrency=4,
-                **actor_resources,
+                **self.actor_resources,
             ).remote()
             for i in range(size)
         ]
@@ -427,9 +423,7 @@ class RayLaunch:
         low, high = self.plan.min_nodes or self.plan.nnodes, self.plan.nnodes
         return low < high and len(nodes) < high and self.options.max_restarts > 0
 
-    def _run_gang(
-        self, nodes: list[_Node], bundle: dict[str, float], lost: set[str]
-    ) -> LaunchResult:
+    def _run_gang(self, nodes: list[_Node], lost: set[str]) -> LaunchResult:
         failed_at: float | None = None
         user_stop = self.options.stop_file
         next_grow_check = time.monotonic() + GROW_CHECK_S
@@ -440,7 +434,7 @@ class RayLaunch:
             now = time.monotonic()
             if failed_at is None and now >= next_grow_check and self._may_grow(nodes):
                 next_grow_check = now + GROW_CHECK_S
-                if self._nodes_that_fit(bundle, lost) > 0:
+                if self._nodes_that_fit(lost) > 0:
                     # Stop as for a preemption (a final checkpoint), then re-form larger.
                     self._stop(nodes, self.options.stop_grace + 5)
                     if all(n.outcome is not None and n.outcome[0] == "ok" for n in nodes):
@@ -516,18 +510,17 @@ class RayLaunch:
         from ray.util.placement_group import remove_placement_group
 
         self._connect()
-        bundle, _ = _bundle(self.options, self.plan.nproc_per_node)
         restarts_left = self.options.max_restarts
         attempt = 0
         lost: set[str] = set()  # Ray nodes lost by earlier attempts: not counted on again
         grow_to = 0
         while True:
-            pg, size = self._place(bundle, lost, grow_to)
+            pg, size = self._place(lost, grow_to)
             grow_to = 0
             nodes: list[_Node] = []
             try:
                 nodes = self._start_gang(pg, size, shipment)
-                return self._run_gang(nodes, bundle, lost)
+                return self._run_gang(nodes, lost)
             except _Grow as grow:
                 grow_to = size + 1
                 logger.warning("%s; re-forming the nodes", grow)

@@ -56,29 +56,43 @@ class GpuInventory:
         `nvidia-smi` gives names without touching CUDA; torch's NVML-based count is the fallback.
         `CUDA_VISIBLE_DEVICES` is honoured either way.
         """
-        names: list[str] = []
-        if shutil.which("nvidia-smi"):
-            try:
-                out = subprocess.run(
-                    ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                    capture_output=True,
-                    text=True,
-                    timeout=30,
-                    check=True,
-                ).stdout
-                names = [line.strip() for line in out.splitlines() if line.strip()]
-            except (subprocess.SubprocessError, OSError):
-                names = []
-        if not names:
+        rows = query_gpus("name")
+        if rows is None:
             import torch
 
-            names = ["unknown GPU"] * torch.cuda.device_count()
-            return cls(tuple(names))
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None:
-            picked = [v.strip() for v in visible.split(",") if v.strip()]
-            names = [names[int(i)] for i in picked if i.isdigit() and int(i) < len(names)]
-        return cls(tuple(names))
+            return cls(("unknown GPU",) * torch.cuda.device_count())
+        return cls(tuple(name for (name,) in rows))
+
+
+def query_gpus(*fields: str) -> list[list[str]] | None:
+    """`nvidia-smi --query-gpu=FIELDS` for the GPUs this process may use, without touching
+    CUDA: one list of values per GPU, `CUDA_VISIBLE_DEVICES` honoured (units left out, so
+    `memory.total` is in MiB). None without `nvidia-smi`, or when it fails or lists no GPU.
+    """
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+    rows = [
+        [value.strip() for value in line.rsplit(",", len(fields) - 1)]
+        for line in out.splitlines()
+        if line.strip()
+    ]
+    if not rows:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        picked = [v.strip() for v in visible.split(",") if v.strip()]
+        rows = [rows[int(i)] for i in picked if i.isdigit() and int(i) < len(rows)]
+    return rows
 
 
 class Resources(BaseModel):
