@@ -122,6 +122,17 @@ def _check_seconds(name: str, value: object, zero_ok: bool = False) -> None:
         raise ValueError(f"{name} must be {kind}, got {value!r}")
 
 
+def _check_interpreter_path(python: object) -> None:
+    if not isinstance(python, str) or not python:
+        raise ValueError(f"python must be the path of a Python interpreter, got {python!r}")
+    path = Path(python)
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise ValueError(
+            f"python={python!r}: no executable interpreter there (a framework's environment "
+            "is made by `bash scripts/setup-framework.sh NAME`)"
+        )
+
+
 @dataclass(frozen=True)
 class LaunchOptions:
     """How to launch: the decorator's arguments, validated."""
@@ -139,9 +150,12 @@ class LaunchOptions:
     stop_file: str | None = None
     remote: bool = False
     ray_address: str | None = None
+    python: str | None = None
 
     def __post_init__(self) -> None:
         node_range(self.nnodes)
+        if self.python is not None:
+            _check_interpreter_path(self.python)
         if self.timeout is not None:
             _check_seconds("timeout", self.timeout)
         _check_seconds("collective_timeout", self.collective_timeout)
@@ -670,15 +684,94 @@ def _tail(path: Path, num_lines: int = 30) -> str:
     return "\n".join(lines[-num_lines:])
 
 
+def interpreter(options: LaunchOptions) -> str:
+    """The Python the agent and ranks run on: `options.python`, else the caller's."""
+    return os.path.abspath(options.python) if options.python else sys.executable
+
+
+def _foreign_interpreter(options: LaunchOptions) -> bool:
+    return interpreter(options) != sys.executable
+
+
+def rank_sys_path(sys_path: Sequence[str], options: LaunchOptions) -> list[str]:
+    """The caller's import path as the ranks get it.
+
+    Ranks on another interpreter (a framework's own environment) keep only the caller's own
+    folders (its project, its notebook's folder): the caller's installed packages and standard
+    library would shadow the versions that environment was made with.
+    """
+    if not _foreign_interpreter(options):
+        return list(sys_path)
+    own = {os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix)}
+    kept = []
+    for entry in sys_path:
+        real = os.path.realpath(entry)
+        parts = real.split(os.sep)
+        if "site-packages" in parts or "dist-packages" in parts:
+            continue
+        if any(real == p or real.startswith(p + os.sep) for p in own):
+            continue
+        kept.append(entry)
+    return kept
+
+
+_interpreters_checked: dict[str, str] = {}
+
+
+def check_interpreter(python: str) -> str:
+    """Check that `python` can run our agent and ranks; return its version line.
+
+    Run before a launch on another interpreter, so that an environment that was never made,
+    or lacks torch or trainflow, fails with its name before any rank starts. Cached per
+    interpreter for the life of this process.
+
+    Raises:
+        LaunchConfigError: it cannot start, naming the interpreter and the import that failed.
+    """
+    _check_interpreter_path(python)
+    python = os.path.abspath(python)
+    if python in _interpreters_checked:
+        return _interpreters_checked[python]
+    probe = (
+        "import sys, torch, trainflow._agent, trainflow._worker; "
+        "print(sys.version.split()[0], 'torch', torch.__version__)"
+    )
+    paths = rank_sys_path(_caller_sys_path(), LaunchOptions(gpus=1, python=python))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    try:
+        done = subprocess.run(
+            [python, "-c", probe], capture_output=True, text=True, env=env, timeout=300
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise LaunchConfigError(f"python={python}: did not start within 300 s") from exc
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        why = lines[-1] if lines else f"exit code {done.returncode}"
+        raise LaunchConfigError(
+            f"python={python} cannot run the ranks: {why}. "
+            "Its environment needs torch, psutil, cloudpickle and trainflow itself; "
+            "`bash scripts/setup-framework.sh NAME` installs them."
+        )
+    _interpreters_checked[python] = done.stdout.strip()
+    return _interpreters_checked[python]
+
+
 def _launch_env(
     options: LaunchOptions, res: LaunchPlan, sys_path: Sequence[str] | None = None
 ) -> dict[str, str]:
     """What the agent and its ranks get on top of the caller's environment."""
+    paths = rank_sys_path(_caller_sys_path() if sys_path is None else sys_path, options)
     env = {
         "PYTHONUNBUFFERED": "1",
         "TRAINFLOW_DEVICE": res.device,
-        "PYTHONPATH": os.pathsep.join(_caller_sys_path() if sys_path is None else sys_path),
+        "PYTHONPATH": os.pathsep.join(paths),
     }
+    if _foreign_interpreter(options):
+        # What activating that environment would do: a rank that starts `python` or a
+        # framework's own command (`accelerate`, `composer`) gets that environment's.
+        bin_dir = os.path.dirname(interpreter(options))
+        env["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", os.defpath)])
+        env["VIRTUAL_ENV"] = os.path.dirname(bin_dir)
     if res.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # what torchrun does, to avoid oversubscription
     if res.device == "cpu":
@@ -714,8 +807,9 @@ class _Standby:
     process that started it, like any agent.
     """
 
-    def __init__(self, env: dict[str, str], start_method: str, preload: Sequence[str]):
+    def __init__(self, env: dict[str, str], start_method: str, preload: Sequence[str], python: str):
         self.env = env  # what the launch adds to the caller's environment
+        self.python = python
         self.cwd = os.getcwd()
         self.start_method = start_method
         # Its output until a launch claims it (then it goes to that launch's agent log): in
@@ -725,7 +819,7 @@ class _Standby:
         self.log = Path(log_path)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trainflow._agent", "--standby", str(self.log), *preload],
+                [python, "-m", "trainflow._agent", "--standby", str(self.log), *preload],
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -733,10 +827,11 @@ class _Standby:
                 env={**os.environ, **env},
             )
 
-    def fits(self, env: dict[str, str], start_method: str) -> bool:
+    def fits(self, env: dict[str, str], start_method: str, python: str) -> bool:
         return (
             self.proc.poll() is None
             and env == self.env
+            and python == self.python
             and start_method == self.start_method
             and os.getcwd() == self.cwd
         )
@@ -783,11 +878,11 @@ def standby(options: LaunchOptions, preload: Sequence[str] = ()) -> Callable[[],
     if os.environ.get(STANDBY_ENV) == "0":
         return lambda: None
     res = resolve_resources(options.gpus, options.gpu_type, options.nnodes)
-    env, method = _launch_env(options, res), _start_method(res)
+    env, method, python = _launch_env(options, res), _start_method(res), interpreter(options)
     with _standbys_lock:
-        agent = next((a for a in _standbys if a.fits(env, method)), None)
+        agent = next((a for a in _standbys if a.fits(env, method, python)), None)
         if agent is None:
-            agent = _Standby(env, method, preload)
+            agent = _Standby(env, method, preload, python)
             _standbys.append(agent)
 
     def discard() -> None:
@@ -809,11 +904,13 @@ def discard_standbys() -> None:
         agent.discard()
 
 
-def _claim_standby(env: dict[str, str], start_method: str, rd: RunDir) -> subprocess.Popen | None:
+def _claim_standby(
+    env: dict[str, str], start_method: str, python: str, rd: RunDir
+) -> subprocess.Popen | None:
     """The process of a standby agent that fits this launch, now running it; else None."""
     with _standbys_lock:
         for agent in _standbys:
-            if agent.fits(env, start_method):
+            if agent.fits(env, start_method, python):
                 _standbys.remove(agent)
                 return agent.claim(rd)
     return None
@@ -861,7 +958,11 @@ class _Launch:
         res = resolve_resources(opts.gpus, opts.gpu_type, opts.nnodes)
         prune_run_dirs(trainflow_home() / "runs", keep_run_dirs())
         endpoint, run_id = self._rendezvous()
-        env = _launch_env(opts, res, shipment.sys_path)
+        python = interpreter(opts)
+        if opts.python is not None:
+            check_interpreter(python)  # a missing or broken environment fails before any rank
+        sys_path = rank_sys_path(shipment.sys_path, opts)
+        env = _launch_env(opts, res, sys_path)
         start_method = _start_method(res)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         rd = RunDir(trainflow_home() / "runs" / f"{stamp}-{self.name}-{uuid.uuid4().hex[:8]}")
@@ -884,7 +985,8 @@ class _Launch:
                 "hang_timeout_s": opts.hang_timeout,
                 "init_process_group": opts.init_process_group,
                 "start_method": start_method,
-                "sys_path": shipment.sys_path,
+                "sys_path": sys_path,
+                "python": python,
                 "code_files": shipment.code_files,
                 # Names only: values (tokens, keys) travel in the agent's environment and are
                 # never written to disk.
@@ -898,11 +1000,11 @@ class _Launch:
         self._tail = _LogTail(rd, self.sink)
         self._gone_at_failure: list[int] = []
         self.shipped = shipment.shipped
-        proc = _claim_standby(env, start_method, rd)
+        proc = _claim_standby(env, start_method, python, rd)
         if proc is None:
             with open(rd.agent_log, "wb") as agent_log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "trainflow._agent", str(rd.path)],
+                    [python, "-m", "trainflow._agent", str(rd.path)],
                     stdin=subprocess.DEVNULL,
                     stdout=agent_log,
                     stderr=subprocess.STDOUT,
@@ -1444,6 +1546,7 @@ def distributed(
     stop_file: str | None = None,
     remote: bool = False,
     ray_address: str | None = None,
+    python: str | None = None,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Decorate a function so `fn.distributed(...)` runs it on `gpus` ranks.
 
@@ -1484,6 +1587,12 @@ def distributed(
             set.
         ray_address: A Ray cluster ("ray://head:10001", "auto", "host:6379") to place the
             nodes on, even for one node; None: RAY_ADDRESS when `nnodes` is above 1.
+        python: The interpreter of another virtual environment (a framework that cannot share
+            this one, e.g. `.venvs/axolotl/bin/python`) to run the agent and ranks on; the
+            caller stays where it is. The ranks keep the same environment contract, logs and
+            failure reports; they see the caller's own folders on their import path but not
+            its installed packages. The function travels by reference when it is importable
+            there (define it in a module), so that environment must have what it imports.
     """
     options = LaunchOptions(
         gpus=gpus,
@@ -1499,6 +1608,7 @@ def distributed(
         stop_file=stop_file,
         remote=remote,
         ray_address=ray_address,
+        python=python,
     )
     # Counts that can never work fail at decoration time; GPU presence is checked at launch.
     resolve_resources(options.gpus, "cpu", options.nnodes)
