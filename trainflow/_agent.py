@@ -145,6 +145,13 @@ def main(run_dir: str, watching: bool = False) -> int:
         # The launcher that placed the nodes says which one hosts the rendezvous store; two
         # nodes on one host (or behind one address) would otherwise both try to.
         rdzv_configs["is_host"] = spec["rdzv_is_host"]
+    # torch before 2.8 (a framework's own environment) has no `shutdown_timeout`: its agent
+    # then keeps its fixed 30 s grace.
+    since_2_8 = (
+        {"shutdown_timeout": spec["shutdown_timeout_s"]}
+        if "shutdown_timeout" in LaunchConfig.__dataclass_fields__
+        else {}
+    )
     config = LaunchConfig(
         min_nodes=spec.get("min_nodes") or spec["nnodes"],
         max_nodes=spec["nnodes"],
@@ -156,7 +163,7 @@ def main(run_dir: str, watching: bool = False) -> int:
         max_restarts=spec["max_restarts"],
         monitor_interval=0.1,
         start_method=spec["start_method"],
-        shutdown_timeout=spec["shutdown_timeout_s"],
+        **since_2_8,
         logs_specs=DefaultLogsSpecs(log_dir=str(rd.elastic)),
     )
     os.environ[_worker.AGENT_PID_ENV] = str(os.getpid())  # the ranks' parent (see _worker)

@@ -149,6 +149,12 @@ class ChatTransform(_TokenTransform):
         "drop",
         description="What to do with rows longer than max_length (drop keeps every answer whole).",
     )
+    turns: bool = Field(
+        False,
+        description="Also write `turns` (json): per answer, the tokens since the previous answer "
+        "and the answer's tokens, [{'input_ids': [...], 'labels': [...]}, ...]; the layout LLM "
+        "Foundry's finetuning loader reads.",
+    )
 
 
 class TabularTransform(_Model):

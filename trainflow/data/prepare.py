@@ -112,7 +112,7 @@ def _column_values(table: pa.Table, column: str, encoding: str) -> Sequence[Any]
     """One column of `table` as the values `MDSWriter` encodes, one per row.
 
     Lists become numpy views of the declared dtype into one flat buffer (no per-row Python
-    lists), numbers numpy scalars, text and bytes Python objects.
+    lists), numbers numpy scalars, text, bytes and json Python objects.
     """
     chunked = table.column(column)
     if encoding.startswith("ndarray:"):
@@ -122,7 +122,7 @@ def _column_values(table: pa.Table, column: str, encoding: str) -> Sequence[Any]
         bounds = lists.offsets.to_numpy()
         bounds = bounds - bounds[0]  # a sliced array's offsets start inside its values
         return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    if encoding in ("str", "bytes"):
+    if encoding in ("str", "bytes", "json"):
         return chunked.to_pylist()
     return chunked.to_numpy()
 

@@ -5,7 +5,8 @@ number in the split) so readers can check exactly which samples they saw.
 
 - `text`: `input_ids` (TRL's pre-tokenized language-modelling format).
 - `chat`: `input_ids` + `assistant_masks` (1 on answer tokens, including the end-of-turn token),
-  the columns TRL 1.16's `SFTTrainer` folds into labels for pre-tokenized data.
+  the columns TRL 1.16's `SFTTrainer` folds into labels for pre-tokenized data; with
+  `turns: true` also `turns`, the same tokens cut into (prompt, answer) pairs (`chat_turns`).
 - `tabular`: the named columns, cast to their declared types.
 - `detection`: `image` (PNG bytes), `boxes` (flat float32 `x1, y1, x2, y2` per object) and
   `labels` (int64, one per object), each box checked against its image's size.
@@ -65,6 +66,8 @@ def output_columns(config: DataConfig) -> dict[str, str]:
     columns["input_ids"] = "ndarray:int32"
     if isinstance(transform, ChatTransform):
         columns["assistant_masks"] = "ndarray:uint8"
+        if transform.turns:
+            columns["turns"] = "json"
     columns.update(transform.keep_columns)
     return columns
 
@@ -226,6 +229,26 @@ class _TextTokenizer:
         if self.add_eos:
             ids = [row + [self.tokenizer.eos_token_id] for row in ids]
         return {"input_ids": ids}
+
+
+def chat_turns(input_ids: list[int], mask: list[int]) -> list[dict[str, list[int]]]:
+    """A conversation's tokens cut at its answers: per answer, the tokens since the previous
+    one (`input_ids`) and the answer (`labels`). Joined in order they give the conversation
+    back, up to its last answer; nothing follows an answer that ends the conversation.
+    """
+    turns: list[dict[str, list[int]]] = []
+    start = 0
+    i = 0
+    while i < len(input_ids):
+        if mask[i]:
+            end = i
+            while end < len(input_ids) and mask[end]:
+                end += 1
+            turns.append({"input_ids": input_ids[start:i], "labels": input_ids[i:end]})
+            start = i = end
+        else:
+            i += 1
+    return turns
 
 
 def _fit_length(
@@ -407,7 +430,14 @@ def apply_transform(
         remove_columns=[c for c in ds.column_names if c not in keep],
         desc=f"tokenizing {split}",
     )
-    ds = _fit_length(transform, ds, num_proc).select_columns(keep)
+    ds = _fit_length(transform, ds, num_proc)
+    if isinstance(transform, ChatTransform) and transform.turns:
+        ds = ds.map(
+            lambda ids, mask: {"turns": chat_turns(ids, mask)},
+            input_columns=["input_ids", "assistant_masks"],
+            num_proc=num_proc,
+        )
+    ds = ds.select_columns(keep)
     if len(ds) == 0:
         raise DataError(
             f"{describe_split(config, split)} is empty after the {transform.name!r} transform "

@@ -1,0 +1,44 @@
+"""Unsloth: prepare -> train with Unsloth's own config and entry point -> evaluate -> register.
+
+Unsloth trains the way its users write it (`FastLanguageModel` + LoRA + TRL `SFTTrainer`,
+DDP across GPUs), in `.venvs/unsloth` (`bash scripts/setup-framework.sh unsloth`), on our
+ranks. Unsloth needs CUDA GPUs: on a machine without them the flow stops before anything starts
+and says so. `unsloth-llama-3.2-3b.yaml` is the Llama 3.2 3B recipe for 8 A10s.
+
+    python -m flows.unsloth trainflow/presets/frameworks/unsloth-llama-3.2-3b.yaml \\
+        --model unsloth/Llama-3.2-3B-Instruct --gpus 8 --gpu-type A10
+
+Usage: `python -m flows.unsloth [CONFIG.yaml] [options]`; `--help` lists the options.
+The pipeline fills in the base model, the data, the output folder and `--max-steps` in the
+config; the rest is the file's.
+See docs/frameworks.md for what is tested where.
+"""
+
+import sys
+
+from prefect import flow
+
+from flows import frameworks
+from flows.skeleton import DatasetResult
+from trainflow.configs.frameworks import FRAMEWORKS, PRESETS_DIR, FrameworkConfig
+
+UNSLOTH = FRAMEWORKS["unsloth"]
+
+
+@flow(name="unsloth", log_prints=True)
+def unsloth(
+    config: FrameworkConfig = FrameworkConfig(
+        framework_config=str(PRESETS_DIR / UNSLOTH.tiny_config),
+        registered_model_name="unsloth-sft",
+    ),
+) -> DatasetResult:
+    """Train with Unsloth on our ranks, evaluate on the held-out split, register in MLflow."""
+    return frameworks.run_framework(UNSLOTH, config)
+
+
+def main(argv: list[str] | None = None) -> DatasetResult:
+    return frameworks.main(unsloth, UNSLOTH, argv, __doc__)  # type: ignore[no-any-return]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,103 @@
+"""Unsloth on CUDA GPUs: the tiny config through torchrun, as our ranks run it.
+
+Real GPUs only (no mocks), from .venvs/unsloth (`bash scripts/setup-framework.sh unsloth`):
+skipped, saying which is missing, elsewhere. The first test uses 1 GPU, the second 2 (DDP).
+"""
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainflow.frameworks import unsloth as u
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = REPO_ROOT / ".venvs" / "unsloth" / "bin"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        not (VENV_BIN / "torchrun").exists(),
+        reason="needs .venvs/unsloth: bash scripts/setup-framework.sh unsloth",
+    ),
+]
+
+
+def run_tiny(tmp_path: Path, gpus: int) -> tuple[list[dict], str]:
+    """Train unsloth-tiny.yaml on `gpus` GPUs with torchrun; each rank's result and the log."""
+    base = u.write_tiny_llama(tmp_path / "tiny-llama")
+    overrides = {"model_name": base, "output_dir": str(tmp_path / "out"), "max_steps": 6}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNSLOTH_")}
+    env["HF_HUB_OFFLINE"] = "1"
+    env["UNSLOTH_DISABLE_STATISTICS"] = "1"
+    done = subprocess.run(
+        [
+            str(VENV_BIN / "torchrun"),
+            "--nproc_per_node",
+            str(gpus),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "localhost:0",
+            "-m",
+            "trainflow.frameworks.unsloth",
+            str(u.TINY_CONFIG),
+            "--overrides",
+            json.dumps(overrides),
+            "--result-dir",
+            str(tmp_path / "results"),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-6000:]
+    results = [
+        json.loads((tmp_path / "results" / f"rank{r}.json").read_text()) for r in range(gpus)
+    ]
+    return results, log
+
+
+def assert_trained(results: list[dict], log: str, tmp_path: Path) -> None:
+    assert "training on CPU" not in log  # Unsloth's GPU path, not its CPU backend
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank and result["world_size"] == len(results)
+        assert result["device"] == "cuda" and result["steps"] == 6
+        assert result["train_loss"] is not None and math.isfinite(result["train_loss"])
+        assert all(math.isfinite(loss) for _, loss in result["loss_history"])
+    folder = Path(results[0]["output_dir"])
+    assert folder == tmp_path / "out" / "merged_16bit"
+
+    # The merged 16-bit folder loads in our main environment (transformers 4.57.6).
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda").eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "add 4 2"}], add_generation_prompt=True, return_tensors="pt"
+    ).to("cuda")
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_tiny_config_trains_on_one_gpu_with_torchrun(tmp_path):
+    assert u.check_can_train(u.TINY_CONFIG) is None
+    assert u.check_can_train(u.LLAMA_3B_CONFIG) is None
+    results, log = run_tiny(tmp_path, gpus=1)
+    assert_trained(results, log, tmp_path)
+
+
+def test_tiny_config_trains_with_ddp_on_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA devices, this machine has {torch.cuda.device_count()}")
+    results, log = run_tiny(tmp_path, gpus=2)
+    assert_trained(results, log, tmp_path)
+    assert results[0]["train_loss"] == results[1]["train_loss"]  # averaged over the ranks

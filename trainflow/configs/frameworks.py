@@ -1,0 +1,191 @@
+"""Pipelines that train with another framework's own entry point: Axolotl, LLM Foundry, Unsloth.
+
+Each framework keeps its own config file (its YAML, as its users write it) and trains on our
+ranks through its own entry point, in its own virtual environment (`.venvs/NAME`, made by
+`bash scripts/setup-framework.sh NAME`): these frameworks pin torch, transformers or trl to
+versions the main environment cannot share. The pipeline around it is ours and runs in the
+main environment: the data is prepared by our data task, the run is tracked in MLflow, the
+trained model is evaluated on our held-out split against the model it started from, and
+registered.
+
+The pipeline fills in what it owns in the framework's config (`Framework.overrides`): the base
+model, the prepared data, the output folder and, when given, the number of steps. Everything
+else (learning rate, LoRA, precision, FSDP or DeepSpeed settings) is the framework's file.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from trainflow.configs.sft import EvaluationSettings, SFTConfig
+from trainflow.data import DataConfig
+from trainflow.paths import SafeName
+from trainflow.resources import Resources
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets" / "frameworks"
+ENVS_DIR = REPO_ROOT / ".venvs"
+
+
+@dataclass(frozen=True)
+class Framework:
+    """A training framework launched its own way, and what the pipeline gives it."""
+
+    name: str  # the environment's name: .venvs/NAME, scripts/frameworks/NAME.txt
+    title: str
+    module: str  # rank side: `train(config_path, overrides) -> dict` on every rank
+    data_format: Literal["jsonl", "mds"]  # how it reads the prepared data
+    tiny_config: str  # the shipped config that trains a tiny model on CPU ranks
+
+    @property
+    def flow_module(self) -> str:
+        return f"flows.{self.name.replace('-', '_')}"
+
+    def default_python(self) -> Path:
+        return ENVS_DIR / self.name / "bin" / "python"
+
+    def setup_command(self) -> str:
+        return f"bash scripts/setup-framework.sh {self.name}"
+
+    def rank_module(self) -> Any:
+        import importlib
+
+        return importlib.import_module(self.module)
+
+
+FRAMEWORKS: dict[str, Framework] = {
+    "axolotl": Framework(
+        name="axolotl",
+        title="Axolotl",
+        module="trainflow.frameworks.axolotl",
+        data_format="jsonl",
+        tiny_config="axolotl-tiny.yaml",
+    ),
+    "llm-foundry": Framework(
+        name="llm-foundry",
+        title="LLM Foundry",
+        module="trainflow.frameworks.llm_foundry",
+        data_format="mds",
+        tiny_config="llm-foundry-tiny.yaml",
+    ),
+    "unsloth": Framework(
+        name="unsloth",
+        title="Unsloth",
+        module="trainflow.frameworks.unsloth",
+        data_format="jsonl",
+        tiny_config="unsloth-tiny.yaml",
+    ),
+}
+
+
+class FrameworkConfig(Resources):
+    """One framework training run: its own config file, and what the pipeline fills in."""
+
+    framework_config: str = Field(
+        description="The framework's own config file (its YAML, as its users write it); the "
+        "first positional argument."
+    )
+    model: str = Field(
+        default="tiny-llama",
+        description="Base model: tiny-llama (built here from a config with the shipped "
+        "tokenizer, no download), a Hugging Face Hub id or a local model folder; replaces the "
+        "config file's own.",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="Tokenizer directory or Hub id; none: the shipped one for tiny models, else "
+        "the model's.",
+    )
+    dataset: str = Field(
+        default="instructions",
+        description="Chat data: a shipped dataset preset, a JSONL file of {'messages': [...]} "
+        "rows, or a Hub dataset id; prepared by the data task, then given to the framework.",
+    )
+    max_length: int = Field(default=64, ge=8, description="Longest conversation in tokens.")
+    validation_fraction: float = Field(
+        default=0.1, gt=0, lt=1, description="Share of the rows held out for evaluation."
+    )
+    max_steps: int | None = Field(
+        default=8,
+        ge=1,
+        description="Optimizer steps, replacing the config file's own; none keeps the file's.",
+    )
+    python: str | None = Field(
+        default=None,
+        description="The framework environment's interpreter; none: .venvs/NAME/bin/python.",
+    )
+    evaluation: EvaluationSettings = Field(
+        default_factory=lambda: EvaluationSettings(
+            num_samples=32, batch_size=16, max_new_tokens=8, max_loss_ratio=1.0
+        ),
+        description="Held-out evaluation and the gate for the champion alias.",
+    )
+    experiment_name: str = Field(default="frameworks", description="MLflow experiment.")
+    registered_model_name: SafeName = Field(
+        default="framework-sft", description="MLflow registered model name."
+    )
+    gpus: int = Field(default=2, ge=1, description="Ranks in total (GPUs, or CPU processes).")
+    gpu_type: str | None = Field(
+        default="cpu",
+        description='GPU type such as "H100"; "cpu" forces CPU ranks; empty: what exists.',
+    )
+
+    @field_validator("framework_config")
+    @classmethod
+    def _config_file(cls, value: str) -> str:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{value}: no such file (the framework's own YAML config)")
+        return str(path.resolve())
+
+    def sft_view(self) -> SFTConfig:
+        """The same model, tokenizer and data as an SFT config: the data task and evaluation
+        prepare and score exactly what the SFT pipeline would."""
+        return SFTConfig.model_validate(
+            {
+                "model": self.model,
+                "tokenizer": self.tokenizer,
+                "dataset": self.dataset,
+                "max_length": self.max_length,
+                "validation_fraction": self.validation_fraction,
+                "evaluation": self.evaluation.model_dump(),
+                "gpus": self.gpus,
+                "gpu_type": self.gpu_type,
+            }
+        )
+
+    def data_config(self, framework: Framework | None = None) -> DataConfig:
+        """The data task's config; for a framework that reads MDS, with the chat `turns`
+        column its loader reads (LLM Foundry's finetuning layout)."""
+        data = self.sft_view().data_config()
+        if framework is None or framework.data_format != "mds":
+            return data
+        turns = data.transform.model_copy(update={"turns": True})
+        return data.model_copy(update={"transform": turns})
+
+    def tokenizer_path(self) -> str:
+        return self.sft_view().tokenizer_path()
+
+    def interpreter(self, framework: Framework) -> Path:
+        return Path(self.python).expanduser() if self.python else framework.default_python()
+
+
+def read_framework_config(path: str | Path) -> dict[str, Any]:
+    """The framework's config file as a mapping, or a ValueError naming the file."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a YAML mapping, got {type(data).__name__}")
+    return data
+
+
+class FrameworkSetupError(ValueError):
+    """A framework run cannot start as set up: its config file, its environment, its device."""
