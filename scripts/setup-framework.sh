@@ -1,29 +1,51 @@
 #!/usr/bin/env bash
 # Create the environment a training framework's ranks run in: .venvs/NAME.
 #
-#   bash scripts/setup-framework.sh axolotl       # Axolotl (its own transformers/trl pins)
+#   bash scripts/setup-framework.sh axolotl       # Axolotl
 #   bash scripts/setup-framework.sh llm-foundry   # Mosaic LLM Foundry + Composer (torch 2.7)
-#   bash scripts/setup-framework.sh unsloth       # Unsloth (needs a CUDA GPU to train)
+#   bash scripts/setup-framework.sh unsloth       # Unsloth
+#   bash scripts/setup-framework.sh all           # all three at once (logs in .venvs/NAME.log)
 #
 # These frameworks pin torch, transformers or trl to versions our main environment (.venv)
 # cannot share, so each gets its own virtual environment from scripts/frameworks/NAME.txt.
 # The pipeline itself (Prefect, MLflow, data preparation, evaluation) runs in .venv; only
 # the ranks run here (`LaunchOptions.python`). trainflow is installed without its
 # dependencies: the rank side needs only torch, psutil and cloudpickle, listed in each file.
+# Running it again on an existing environment only checks it (seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+known="$(cd scripts/frameworks && ls -1 *.txt | sed 's/\.txt$//' | paste -sd' ')"
 name="${1:-}"
-known="$(cd scripts/frameworks && ls -1 *.txt 2>/dev/null | sed 's/\.txt$//' | paste -sd' ')"
+
+if [[ "$name" == "all" ]]; then
+    mkdir -p .venvs
+    declare -A pids
+    for each in $known; do
+        bash "$0" "$each" > ".venvs/$each.log" 2>&1 &
+        pids[$each]=$!
+    done
+    failed=0
+    for each in $known; do
+        if wait "${pids[$each]}"; then
+            tail -n 1 ".venvs/$each.log"
+        else
+            echo "setting up $each failed; the end of .venvs/$each.log:" >&2
+            tail -n 20 ".venvs/$each.log" >&2
+            failed=1
+        fi
+    done
+    exit $failed
+fi
+
 if [[ -z "$name" || ! -f "scripts/frameworks/$name.txt" ]]; then
-    echo "usage: bash scripts/setup-framework.sh NAME   (NAME one of: $known)" >&2
+    echo "usage: bash scripts/setup-framework.sh NAME   (NAME one of: $known, or all)" >&2
     exit 2
 fi
 venv=".venvs/$name"
 if [[ ! -x "$venv/bin/python" ]]; then
     python3 -m venv "$venv"
 fi
-extra=()
 case "$name" in
     llm-foundry)
         # LLM Foundry pins torch 2.7.0, older than the torch this machine may cap pip at:
@@ -33,7 +55,7 @@ case "$name" in
         ;;
 esac
 echo "Installing $name into $venv (scripts/frameworks/$name.txt)"
-"$venv/bin/pip" install --quiet --progress-bar off ${extra[@]+"${extra[@]}"} -r "scripts/frameworks/$name.txt"
+"$venv/bin/pip" install --quiet --progress-bar off -r "scripts/frameworks/$name.txt"
 "$venv/bin/pip" install --quiet --progress-bar off --no-deps -e .
 "$venv/bin/python" -c "import trainflow._agent, trainflow._worker" \
     || { echo "$venv cannot import trainflow's rank side" >&2; exit 1; }

@@ -3,8 +3,24 @@
 #
 #   bash scripts/setup.sh                 # Python packages only
 #   bash scripts/setup.sh --with-browser  # also Debian's Chromium, for the UI browser test
+#   bash scripts/setup.sh --with-frameworks --with-browser  # also .venvs/ of Axolotl, LLM
+#                                         # Foundry and Unsloth (scripts/setup-framework.sh all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+with_browser=0
+frameworks_pid=""
+for arg in "$@"; do
+    case "$arg" in
+        --with-browser) with_browser=1 ;;
+        --with-frameworks)
+            # Their own environments download beside this one's install (minutes, GBs).
+            bash scripts/setup-framework.sh all > .venvs-setup.log 2>&1 &
+            frameworks_pid=$!
+            ;;
+        *) echo "unknown option $arg (use --with-browser, --with-frameworks)" >&2; exit 2 ;;
+    esac
+done
 
 if [[ ! -x .venv/bin/python ]]; then
     python3 -m venv .venv
@@ -13,7 +29,7 @@ fi
 DS_BUILD_OPS=0 .venv/bin/pip install --quiet --progress-bar off -c constraints.txt -e ".[dev,ray,k8s]"
 echo "Python packages installed in .venv"
 
-if [[ "${1:-}" == "--with-browser" ]]; then
+if [[ "$with_browser" == 1 ]]; then
     if [[ -x /usr/bin/chromium ]]; then
         echo "Chromium present: $(/usr/bin/chromium --version 2>/dev/null || true)"
     elif [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null; then
@@ -24,4 +40,13 @@ if [[ "${1:-}" == "--with-browser" ]]; then
         echo "Chromium not installed and cannot install it here (needs root and apt-get):"
         echo "the browser test will be skipped with that reason."
     fi
+fi
+
+if [[ -n "$frameworks_pid" ]]; then
+    echo "Waiting for the framework environments (.venvs/NAME.log)"
+    if ! wait "$frameworks_pid"; then
+        cat .venvs-setup.log >&2
+        exit 1
+    fi
+    cat .venvs-setup.log
 fi
