@@ -54,7 +54,7 @@ def check_setup(framework: Framework, config: FrameworkConfig) -> Path:
         FrameworkSetupError: naming the file, the environment (and the command that makes it) or
             why the framework cannot train on these ranks.
     """
-    read_framework_config(config.framework_config)
+    config = config.resolved(framework)  # a config file that names no model fails here
     python = config.interpreter(framework)
     if not python.exists():
         where = "--python" if config.python else f".venvs/{framework.name}"
@@ -91,6 +91,7 @@ def check_environment(framework: Framework, config: FrameworkConfig) -> str:
 def run_framework(framework: Framework, config: FrameworkConfig) -> DatasetResult:
     """The pipeline: prepare the data, train with the framework, evaluate, register."""
     python = check_setup(framework, config)
+    config = config.resolved(framework)
     versions = check_environment(framework, config)
     print(f"{framework.title} environment: {python} ({versions})")
     data = prepare_dataset(config.data_config(framework))

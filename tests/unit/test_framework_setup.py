@@ -76,3 +76,24 @@ def test_each_framework_ships_its_configs_and_rank_side(name):
     assert Path("scripts/frameworks", f"{name}.txt").is_file()
     rank_side = framework.rank_module()  # imports in this environment: no framework import
     assert callable(rank_side.train) and callable(rank_side.pipeline_overrides)
+
+
+def test_the_model_and_length_come_from_the_config_file_unless_given(tmp_path):
+    axolotl_spec = FRAMEWORKS["axolotl"]
+    recipe = FrameworkConfig(framework_config="axolotl-olmo3-7b").resolved(axolotl_spec)
+    assert (recipe.model, recipe.max_length) == ("allenai/Olmo-3-1025-7B", 8192)
+    given = FrameworkConfig(framework_config="axolotl-olmo3-7b", model="m", max_length=128)
+    assert given.resolved(axolotl_spec) is given
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("sequence_len: 64\n")
+    with pytest.raises(ValueError, match=r"bare.yaml: sets nothing at base_model; .* --model"):
+        FrameworkConfig(framework_config=str(bare)).resolved(axolotl_spec)
+
+
+def test_a_shipped_config_is_found_by_name_and_an_unknown_one_is_named():
+    config = FrameworkConfig(framework_config="llm-foundry-tiny")
+    assert config.framework_config == str(PRESETS_DIR / "llm-foundry-tiny.yaml")
+    with pytest.raises(
+        ValueError, match="nope: no such file .* one of the shipped: axolotl-olmo3-7b"
+    ):
+        FrameworkConfig(framework_config="nope")

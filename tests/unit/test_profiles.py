@@ -13,6 +13,7 @@ from deployments.profiles import (
     requested_size,
     select_profile,
 )
+from trainflow.configs.frameworks import shipped_configs
 from trainflow.configs.sft import sft_preset_names
 
 
@@ -84,9 +85,10 @@ def test_gpu_deployments_in_prefect_yaml_match_their_profile():
         else:  # remote-call/<gpu>: each call brings its own function; the pool gives a node
             size = (8, entry.name.upper(), 1)
         profile = select_profile(*size)
-        # A preset's deployment is named after the preset (`sft/gpt-oss-20b`); the others after
-        # their profile, which is what `flows.launch` looks for.
-        assert entry.name in (profile.deployment, *sft_preset_names())
+        # A preset's deployment is named after the preset (`sft/gpt-oss-20b`, or a framework's
+        # shipped config, `axolotl/axolotl-olmo3-7b`); the others after their profile, which is
+        # what `flows.launch` looks for.
+        assert entry.name in (profile.deployment, *sft_preset_names(), *shipped_configs())
         assert entry.job_variables == profile.job_variables
 
 

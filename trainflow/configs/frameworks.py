@@ -38,6 +38,8 @@ class Framework:
     module: str  # rank side: `train(config_path, overrides) -> dict` on every rank
     data_format: Literal["jsonl", "mds"]  # how it reads the prepared data
     tiny_config: str  # the shipped config that trains a tiny model on CPU ranks
+    model_key: tuple[str, ...]  # where its config names the base model
+    length_key: tuple[str, ...]  # where its config sets the longest sequence in tokens
 
     @property
     def flow_module(self) -> str:
@@ -62,6 +64,8 @@ FRAMEWORKS: dict[str, Framework] = {
         module="trainflow.frameworks.axolotl",
         data_format="jsonl",
         tiny_config="axolotl-tiny.yaml",
+        model_key=("base_model",),
+        length_key=("sequence_len",),
     ),
     "llm-foundry": Framework(
         name="llm-foundry",
@@ -69,6 +73,8 @@ FRAMEWORKS: dict[str, Framework] = {
         module="trainflow.frameworks.llm_foundry",
         data_format="mds",
         tiny_config="llm-foundry-tiny.yaml",
+        model_key=("variables", "model_path"),
+        length_key=("variables", "max_seq_len"),
     ),
     "unsloth": Framework(
         name="unsloth",
@@ -76,6 +82,8 @@ FRAMEWORKS: dict[str, Framework] = {
         module="trainflow.frameworks.unsloth",
         data_format="jsonl",
         tiny_config="unsloth-tiny.yaml",
+        model_key=("model_name",),
+        length_key=("max_seq_length",),
     ),
 }
 
@@ -87,11 +95,12 @@ class FrameworkConfig(Resources):
         description="The framework's own config file (its YAML, as its users write it); the "
         "first positional argument."
     )
-    model: str = Field(
-        default="tiny-llama",
+    model: str | None = Field(
+        default=None,
         description="Base model: tiny-llama (built here from a config with the shipped "
         "tokenizer, no download), a Hugging Face Hub id or a local model folder; replaces the "
-        "config file's own.",
+        "config file's own. None: the config file's (base_model for Axolotl, model_name for "
+        "Unsloth, variables.model_path for LLM Foundry).",
     )
     tokenizer: str | None = Field(
         default=None,
@@ -103,12 +112,17 @@ class FrameworkConfig(Resources):
         description="Chat data: a shipped dataset preset, a JSONL file of {'messages': [...]} "
         "rows, or a Hub dataset id; prepared by the data task, then given to the framework.",
     )
-    max_length: int = Field(default=64, ge=8, description="Longest conversation in tokens.")
+    max_length: int | None = Field(
+        default=None,
+        ge=8,
+        description="Longest conversation in tokens (longer ones are left out), replacing the "
+        "config file's sequence length; none: the file's.",
+    )
     validation_fraction: float = Field(
         default=0.1, gt=0, lt=1, description="Share of the rows held out for evaluation."
     )
     max_steps: int | None = Field(
-        default=8,
+        default=None,
         ge=1,
         description="Optimizer steps, replacing the config file's own; none keeps the file's.",
     )
@@ -135,10 +149,29 @@ class FrameworkConfig(Resources):
     @field_validator("framework_config")
     @classmethod
     def _config_file(cls, value: str) -> str:
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError(f"{value}: no such file (the framework's own YAML config)")
-        return str(path.resolve())
+        return str(find_framework_config(value))
+
+    def resolved(self, framework: Framework) -> "FrameworkConfig":
+        """With `model` and `max_length` taken from the framework's config file when not given.
+
+        Raises:
+            ValueError: neither sets one (naming the file and its key).
+        """
+        if self.model is not None and self.max_length is not None:
+            return self
+        settings = read_framework_config(self.framework_config)
+        model = self.model or _setting(settings, framework.model_key, str)
+        length = self.max_length or _setting(settings, framework.length_key, int)
+        for value, key, option in (
+            (model, framework.model_key, "--model"),
+            (length, framework.length_key, "--max-length"),
+        ):
+            if value is None:
+                raise ValueError(
+                    f"{self.framework_config}: sets nothing at {'.'.join(key)}; set it there "
+                    f"or give {option}"
+                )
+        return self.model_copy(update={"model": model, "max_length": length})
 
     def sft_view(self) -> SFTConfig:
         """The same model, tokenizer and data as an SFT config: the data task and evaluation
@@ -170,6 +203,33 @@ class FrameworkConfig(Resources):
 
     def interpreter(self, framework: Framework) -> Path:
         return Path(self.python).expanduser() if self.python else framework.default_python()
+
+
+def _setting(settings: dict[str, Any], key: tuple[str, ...], kind: type) -> Any:
+    """The value at `key` in a framework's config, if it is of `kind` (else None)."""
+    value: Any = settings
+    for part in key:
+        value = value.get(part) if isinstance(value, dict) else None
+    return value if isinstance(value, kind) and not isinstance(value, bool) and value else None
+
+
+def shipped_configs() -> list[str]:
+    """The framework configs shipped in trainflow/presets/frameworks, by name."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def find_framework_config(value: str) -> Path:
+    """A framework config file: a path (from the working directory, else from the repository,
+    as a deployment's worker may start elsewhere), or the name of a shipped one
+    (`axolotl-olmo3-7b`)."""
+    path = Path(value).expanduser()
+    for candidate in (path, REPO_ROOT / path, PRESETS_DIR / f"{value}.yaml"):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ValueError(
+        f"{value}: no such file (the framework's own YAML config, or one of the shipped: "
+        f"{', '.join(shipped_configs())})"
+    )
 
 
 def read_framework_config(path: str | Path) -> dict[str, Any]:
