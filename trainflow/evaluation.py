@@ -7,6 +7,7 @@ greedily generates an answer for the prompt and compares the decoded texts.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -117,3 +118,37 @@ def evaluate_causal_lm(
         "eval_perplexity": math.exp(min(mean, 50.0)),
         "eval_exact_match": matches / max(len(input_ids), 1),
     }
+
+
+def trained_vs_untrained(
+    load_untrained: Callable[[], PreTrainedModel],
+    load_trained: Callable[[], PreTrainedModel],
+    tokenizer: PreTrainedTokenizerBase,
+    held_out: dict[str, list[list[int]]],
+    *,
+    batch_size: int,
+    max_new_tokens: int,
+) -> tuple[dict[str, float], PreTrainedModel, str]:
+    """Score the untrained model (`untrained_*`), then the trained one (`eval_*`), on the same
+    held-out conversations, and their loss ratio (`eval_loss_ratio`).
+
+    Returns the metrics, the trained model (still loaded, for registration) and the first
+    held-out prompt as text (the registered model's input example).
+    """
+    metrics: dict[str, float] = {}
+    model = None
+    for prefix, load in (("untrained", load_untrained), ("eval", load_trained)):
+        model = load()
+        scores = evaluate_causal_lm(
+            model,
+            tokenizer,
+            held_out["input_ids"],
+            held_out["assistant_masks"],
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+        )
+        metrics |= {k.replace("eval", prefix, 1): v for k, v in scores.items()}
+    assert model is not None
+    metrics["eval_loss_ratio"] = metrics["eval_loss"] / metrics["untrained_loss"]
+    prompt, _ = split_prompt_answer(held_out["input_ids"][0], held_out["assistant_masks"][0])
+    return metrics, model, tokenizer.decode(prompt)

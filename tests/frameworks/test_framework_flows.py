@@ -57,6 +57,7 @@ def test_framework_trains_on_two_ranks_and_the_model_is_registered(
     assert len(history) >= 2
     version = client.get_model_version(f"{name}-tiny", "1")
     assert version.tags["framework"] == name
+    assert version.tags["framework_version"] not in ("", "None")  # the framework's own release
     assert version.tags["dataset_uri"] == result.dataset_uri
     # Both ranks ran, in the framework's environment, and their output reached the run log.
     assert "[rank 0]" in logged and "[rank 1]" in logged

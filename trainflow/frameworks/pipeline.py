@@ -68,28 +68,18 @@ def evaluate(
     from transformers import AutoModelForCausalLM
 
     from trainflow.data.tokenizer import load_tokenizer
-    from trainflow.evaluation import evaluate_causal_lm, split_prompt_answer
+    from trainflow.evaluation import trained_vs_untrained
     from trainflow.workloads.sft import read_split
 
-    tokenizer = load_tokenizer(config.tokenizer_path())
     e = config.evaluation
-    held_out = read_split(data_uri, "validation", e.num_samples)
-    metrics: dict[str, float] = {}
-    model = None
-    for prefix, folder in (("untrained", base_model), ("eval", str(trained))):
-        model = AutoModelForCausalLM.from_pretrained(folder).eval()
-        scores = evaluate_causal_lm(
-            model,
-            tokenizer,
-            held_out["input_ids"],
-            held_out["assistant_masks"],
-            batch_size=e.batch_size,
-            max_new_tokens=e.max_new_tokens,
-        )
-        metrics |= {k.replace("eval", prefix, 1): v for k, v in scores.items()}
-    metrics["eval_loss_ratio"] = metrics["eval_loss"] / metrics["untrained_loss"]
-    prompt, _ = split_prompt_answer(held_out["input_ids"][0], held_out["assistant_masks"][0])
-    return metrics, model, tokenizer.decode(prompt)
+    return trained_vs_untrained(
+        lambda: AutoModelForCausalLM.from_pretrained(base_model).eval(),
+        lambda: AutoModelForCausalLM.from_pretrained(str(trained)).eval(),
+        load_tokenizer(config.tokenizer_path()),
+        read_split(data_uri, "validation", e.num_samples),
+        batch_size=e.batch_size,
+        max_new_tokens=e.max_new_tokens,
+    )
 
 
 def model_card(

@@ -351,7 +351,7 @@ def train(config_path: str, overrides: dict) -> dict:
         save_method; train_loss (the last logged loss, averaged over ranks); train_loss_mean
         (the trainer's mean over the run); loss_history ([[step, loss], ...]); steps and
         global_step; max_steps; train_runtime_s; world_size; rank; device ("cuda", or "cpu":
-        Unsloth's CPU backend); unsloth_version; model_name.
+        Unsloth's CPU backend); version (unsloth's); model_name.
     """
     config = load_config(config_path, overrides)
     reason = check_can_train(config_path, overrides)
@@ -510,7 +510,7 @@ def train(config_path: str, overrides: dict) -> dict:
         "world_size": world_size,
         "rank": rank,
         "device": device,
-        "unsloth_version": getattr(unsloth, "__version__", None),
+        "version": getattr(unsloth, "__version__", None),
         "model_name": model_name,
     }
 

@@ -747,28 +747,19 @@ def evaluate(job: SFTJob, trained: TrainResult) -> Evaluation:
     The trained model is loaded once here and kept in the result for registration, with the
     first held-out prompt as its input example.
     """
-    from trainflow.evaluation import evaluate_causal_lm, split_prompt_answer
+    from trainflow.evaluation import trained_vs_untrained
 
     config, output_dir = job.config, local_path(trained.model_uri).parent
-    tokenizer = load_tokenizer(config.tokenizer_path())
-    held_out = read_split(job.data.uri, "validation", config.evaluation.num_samples)
     e = config.evaluation
-    metrics: dict[str, float] = {}
-    model = None
-    for prefix, is_trained in (("untrained", False), ("eval", True)):
-        model = load_model(config, output_dir, trained=is_trained)
-        scores = evaluate_causal_lm(
-            model,
-            tokenizer,
-            held_out["input_ids"],
-            held_out["assistant_masks"],
-            batch_size=e.batch_size,
-            max_new_tokens=e.max_new_tokens,
-        )
-        metrics |= {k.replace("eval", prefix, 1): v for k, v in scores.items()}
-    metrics["eval_loss_ratio"] = metrics["eval_loss"] / metrics["untrained_loss"]
-    prompt, _ = split_prompt_answer(held_out["input_ids"][0], held_out["assistant_masks"][0])
-    return Evaluation(metrics, model, input_example=tokenizer.decode(prompt))
+    metrics, model, example = trained_vs_untrained(
+        lambda: load_model(config, output_dir, trained=False),
+        lambda: load_model(config, output_dir, trained=True),
+        load_tokenizer(config.tokenizer_path()),
+        read_split(job.data.uri, "validation", e.num_samples),
+        batch_size=e.batch_size,
+        max_new_tokens=e.max_new_tokens,
+    )
+    return Evaluation(metrics, model, input_example=example)
 
 
 def log_model(
