@@ -22,6 +22,7 @@ from prefect.runtime import flow_run
 from flows.skeleton import DatasetResult
 from tasks.data import prepare_dataset
 from tasks.reporting import publish_summary
+from tasks.techniques import retry_if_transient
 from trainflow import tracking
 from trainflow.configs.frameworks import (
     PRESETS_DIR,
@@ -101,7 +102,7 @@ def run_framework(framework: Framework, config: FrameworkConfig) -> DatasetResul
         "framework_config": Path(config.framework_config).name,
         "dataset_uri": data.uri,
         "dataset_fingerprint": data.fingerprint,
-        "base_model": config.model,
+        "base_model": config.base_model,
         "prefect_flow_run_id": str(flow_run.get_id()),
         "code_version": tracking.code_version(),
     }
@@ -169,13 +170,10 @@ def train(
 ) -> dict[str, Any]:
     """The framework's own training on the config's ranks, in its environment; rank 0's report.
 
-    Rank output goes to this flow run's logs (`launch_in_prefect`), a failing rank is named in
+    Rank output goes to this flow run's logs (`launch_logged`), a failing rank is named in
     the error, and the loss history the framework reported is logged to the MLflow run.
     """
-    from trainflow.prefect_adapter import launch_in_prefect
-
     model_dir = out / "model"
-    shutil.rmtree(model_dir, ignore_errors=True)  # a retry starts over: no half-saved model
     rank_side = framework.rank_module()
     overrides = rank_side.pipeline_overrides(
         base_model=base_model,
@@ -186,14 +184,34 @@ def train(
         max_length=config.max_length,
     )
     options = dataclasses.replace(config.launch_options(), python=str(python))
-    launched = launch_in_prefect(rank_side.train, (config.framework_config, overrides), {}, options)
-    result: dict[str, Any] = launched.values[0]
+    attempt = _train_with_framework.with_options(
+        task_run_name=f"train-with-{framework.name}",
+        retries=config.retries,
+        retry_condition_fn=retry_if_transient,
+    )
+    result: dict[str, Any] = attempt(
+        rank_side.train, config.framework_config, overrides, options, model_dir
+    )
     sink = tracking.MlflowSink(run_id)
     for step, loss in result.get("loss_history") or []:
         sink.log(int(step), {"train_loss": float(loss)})
     sink.flush()
     tracking.log_metrics(run_id, train_metrics(result))
     return result
+
+
+@task(name="train-with-framework", cache_policy=NO_CACHE, persist_result=False)
+def _train_with_framework(
+    rank_train: Any, config_file: str, overrides: dict[str, Any], options: Any, model_dir: Path
+) -> dict[str, Any]:
+    """One launch of the framework on every rank; rank 0's report. Retried (`--retries`) after
+    a failure a relaunch can fix (a killed rank, a lost peer, a hang, a timeout); each attempt
+    trains from the start, with no half-saved model of an earlier one left behind."""
+    from trainflow.prefect_adapter import launch_logged
+
+    shutil.rmtree(model_dir, ignore_errors=True)
+    values = launch_logged(rank_train, (config_file, overrides), {}, options).values
+    return values[0]  # type: ignore[no-any-return]
 
 
 def train_metrics(result: dict[str, Any]) -> dict[str, float]:

@@ -173,6 +173,13 @@ class FrameworkConfig(Resources):
                 )
         return self.model_copy(update={"model": model, "max_length": length})
 
+    @property
+    def base_model(self) -> str:
+        """The base model of a resolved config (`resolved`)."""
+        if self.model is None:
+            raise ValueError("no base model yet: call FrameworkConfig.resolved(framework)")
+        return self.model
+
     def sft_view(self) -> SFTConfig:
         """The same model, tokenizer and data as an SFT config: the data task and evaluation
         prepare and score exactly what the SFT pipeline would."""

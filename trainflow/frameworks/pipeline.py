@@ -17,15 +17,15 @@ from trainflow.models.causal_lm import is_tiny
 def stage_base_model(config: FrameworkConfig, out: Path) -> str:
     """The base model as the framework will load it: a tiny model is built here from its config
     (seeded, with the shipped tokenizer) and saved to `out`; a Hub id or folder is passed on."""
-    if not is_tiny(config.model):
-        return config.model
+    if not is_tiny(config.base_model):
+        return config.base_model
     if (out / "config.json").is_file():
         return str(out)  # a retry of this run: the same seeded weights are already there
     from trainflow.data.tokenizer import load_tokenizer
     from trainflow.models.causal_lm import build_causal_lm
 
     tokenizer = load_tokenizer(config.tokenizer_path())
-    model = build_causal_lm(config.model, tokenizer, seed=0)
+    model = build_causal_lm(config.base_model, tokenizer, seed=0)
     partial = out.with_name(out.name + ".partial")
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)
