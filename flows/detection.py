@@ -121,4 +121,7 @@ def _check_config(config: DetectionConfig) -> None:
 
 
 if __name__ == "__main__":
+    from trainflow.cli import exit_now
+
     main(sys.argv[1:])
+    exit_now()  # the pipeline is done: skip only the interpreter's teardown

@@ -47,4 +47,7 @@ def main(argv: list[str] | None = None) -> PipelineResult:
 
 
 if __name__ == "__main__":
+    from trainflow.cli import exit_now
+
     main(sys.argv[1:])
+    exit_now()  # the pipeline is done: skip only the interpreter's teardown
