@@ -5,6 +5,7 @@ agent, its workers and anything they start form one process group the caller can
 and the caller's process keeps no elastic signal handlers or multiprocessing helpers behind.
 """
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -22,6 +23,7 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainflow import _worker
@@ -75,6 +77,18 @@ def _exit_with_parent(parent_pid: int) -> None:
             _stop_descendants(grace_s=0)  # as if the machine were lost: no final checkpoint
             os.killpg(os.getpgrp(), signal.SIGKILL)
         time.sleep(0.5)
+
+
+def _caller_name(depth: int = 2) -> str:
+    """torch's rendezvous names the method behind each event it records with
+    `inspect.stack()`, which reads every frame's source and searches every loaded module for
+    it: tens of milliseconds a call in an agent that has imported transformers and TRL (4600
+    modules), several calls per rendezvous and per shutdown. The name alone comes from the
+    frame, as here (depth 0 is this function, as in torch's)."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:
+        return "no_method_name"
 
 
 def _kill_workers(agent: LocalElasticAgent, worker_group: WorkerGroup) -> None:
@@ -134,6 +148,8 @@ def main(run_dir: str, watching: bool = False) -> int:
     if not watching:
         threading.Thread(target=_exit_with_parent, args=(spec["caller_pid"],), daemon=True).start()
     LocalElasticAgent._stop_workers = _kill_workers  # type: ignore[method-assign]
+    if hasattr(dynamic_rendezvous, "get_method_name"):
+        dynamic_rendezvous.get_method_name = _caller_name
     # torch's process starter gives each rank a `pytorch-errorfile-*.pickle` in the temp folder
     # for its traceback and never removes it: keep those with this launch's logs. Ranks go back
     # to the system's temp folder (`_worker._reset_process_state`).
@@ -182,7 +198,17 @@ def main(run_dir: str, watching: bool = False) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """Exit once the launch is over: the exit handlers run, the interpreter's teardown of the
+    modules the agent imported for its ranks (a second and more with transformers loaded,
+    which the caller would wait for) does not."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--standby":
-        sys.exit(standby(sys.argv[2], sys.argv[3:]))
-    sys.exit(main(sys.argv[1]))
+        _exit(standby(sys.argv[2], sys.argv[3:]))
+    _exit(main(sys.argv[1]))
