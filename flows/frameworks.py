@@ -47,9 +47,10 @@ SUMMARY_METRICS = [
 ]
 
 
-def check_setup(framework: Framework, config: FrameworkConfig) -> Path:
+def check_setup(framework: Framework, config: FrameworkConfig) -> FrameworkConfig:
     """What can be checked in a second, before the Prefect server or any rank starts: the config
-    file, the framework's environment, the ranks' device. Returns the environment's Python.
+    file, the framework's environment, the ranks' device. Returns the config resolved
+    (`FrameworkConfig.resolved`: the model and sequence length from the file when not given).
 
     Raises:
         FrameworkSetupError: naming the file, the environment (and the command that makes it) or
@@ -74,7 +75,7 @@ def check_setup(framework: Framework, config: FrameworkConfig) -> Path:
                 f"{framework.title} cannot train on CPU ranks: {reason}. Run it where CUDA GPUs "
                 "are (--gpu-type H100 --gpus 8, or a GPU deployment)"
             )
-    return python
+    return config
 
 
 def check_environment(framework: Framework, config: FrameworkConfig) -> str:
@@ -91,8 +92,8 @@ def check_environment(framework: Framework, config: FrameworkConfig) -> str:
 
 def run_framework(framework: Framework, config: FrameworkConfig) -> DatasetResult:
     """The pipeline: prepare the data, train with the framework, evaluate, register."""
-    python = check_setup(framework, config)
-    config = config.resolved(framework)
+    config = check_setup(framework, config)
+    python = config.interpreter(framework)
     versions = check_environment(framework, config)
     print(f"{framework.title} environment: {python} ({versions})")
     data = prepare_dataset(config.data_config(framework))

@@ -689,18 +689,14 @@ def interpreter(options: LaunchOptions) -> str:
     return os.path.abspath(options.python) if options.python else sys.executable
 
 
-def _foreign_interpreter(options: LaunchOptions) -> bool:
-    return interpreter(options) != sys.executable
-
-
-def rank_sys_path(sys_path: Sequence[str], options: LaunchOptions) -> list[str]:
-    """The caller's import path as the ranks get it.
+def rank_sys_path(sys_path: Sequence[str], python: str) -> list[str]:
+    """The caller's import path as ranks running on `python` get it.
 
     Ranks on another interpreter (a framework's own environment) keep only the caller's own
     folders (its project, its notebook's folder): the caller's installed packages and standard
     library would shadow the versions that environment was made with.
     """
-    if not _foreign_interpreter(options):
+    if python == sys.executable:
         return list(sys_path)
     own = {os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix)}
     kept = []
@@ -736,8 +732,7 @@ def check_interpreter(python: str) -> str:
         "import sys, torch, trainflow._agent, trainflow._worker; "
         "print(sys.version.split()[0], 'torch', torch.__version__)"
     )
-    paths = rank_sys_path(_caller_sys_path(), LaunchOptions(gpus=1, python=python))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(rank_sys_path(_caller_sys_path(), python))}
     try:
         done = subprocess.run(
             [python, "-c", probe], capture_output=True, text=True, env=env, timeout=300
@@ -759,17 +754,23 @@ def check_interpreter(python: str) -> str:
 def _launch_env(
     options: LaunchOptions, res: LaunchPlan, sys_path: Sequence[str] | None = None
 ) -> dict[str, str]:
-    """What the agent and its ranks get on top of the caller's environment."""
-    paths = rank_sys_path(_caller_sys_path() if sys_path is None else sys_path, options)
+    """What the agent and its ranks get on top of the caller's environment.
+
+    `sys_path`: the ranks' import path (`rank_sys_path`); None: the caller's, as ranks on
+    `options`' interpreter get it.
+    """
+    python = interpreter(options)
+    if sys_path is None:
+        sys_path = rank_sys_path(_caller_sys_path(), python)
     env = {
         "PYTHONUNBUFFERED": "1",
         "TRAINFLOW_DEVICE": res.device,
-        "PYTHONPATH": os.pathsep.join(paths),
+        "PYTHONPATH": os.pathsep.join(sys_path),
     }
-    if _foreign_interpreter(options):
+    if python != sys.executable:
         # What activating that environment would do: a rank that starts `python` or a
         # framework's own command (`accelerate`, `composer`) gets that environment's.
-        bin_dir = os.path.dirname(interpreter(options))
+        bin_dir = os.path.dirname(python)
         env["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", os.defpath)])
         env["VIRTUAL_ENV"] = os.path.dirname(bin_dir)
     if res.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -961,7 +962,7 @@ class _Launch:
         python = interpreter(opts)
         if opts.python is not None:
             check_interpreter(python)  # a missing or broken environment fails before any rank
-        sys_path = rank_sys_path(shipment.sys_path, opts)
+        sys_path = rank_sys_path(shipment.sys_path, python)
         env = _launch_env(opts, res, sys_path)
         start_method = _start_method(res)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -16,7 +16,13 @@ import pytest
 
 from trainflow import RankError, runtime
 from trainflow.errors import LaunchConfigError
-from trainflow.launcher import LaunchOptions, check_interpreter, launch, rank_sys_path
+from trainflow.launcher import (
+    LaunchOptions,
+    check_interpreter,
+    interpreter,
+    launch,
+    rank_sys_path,
+)
 from trainflow.paths import trainflow_home
 
 
@@ -125,5 +131,5 @@ def test_a_missing_interpreter_is_refused_by_name(tmp_path):
 
 def test_the_callers_own_interpreter_keeps_its_whole_path():
     path = ["/project", "/x/site-packages"]
-    assert rank_sys_path(path, LaunchOptions(gpus=1)) == path
-    assert rank_sys_path(path, LaunchOptions(gpus=1, python=sys.executable)) == path
+    assert rank_sys_path(path, interpreter(LaunchOptions(gpus=1))) == path
+    assert rank_sys_path(path, interpreter(LaunchOptions(gpus=1, python=sys.executable))) == path
