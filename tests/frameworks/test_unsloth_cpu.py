@@ -6,7 +6,6 @@ UNSLOTH_DISABLE_CPU_FALLBACK=1. The first tests run in our main environment (no 
 the others run Unsloth in .venvs/unsloth and skip, saying so, where it is absent.
 """
 
-import json
 import math
 import os
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.frameworks.unsloth_torchrun import run_tiny_config
 from trainflow.frameworks import unsloth as u
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -185,35 +185,9 @@ def test_tiny_config_trains_on_two_cpu_ranks_and_saves_a_model_our_env_loads(tmp
         pytest.skip("an NVIDIA driver is loaded here: Unsloth would refuse the CPU fallback")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = u.write_tiny_llama(tmp_path / "tiny-llama")
-    overrides = {"model_name": base, "output_dir": str(tmp_path / "out"), "max_steps": 4}
-    torchrun = VENV_PYTHON.parent / "torchrun"
-    done = subprocess.run(
-        [
-            str(torchrun),
-            "--nproc_per_node",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "localhost:0",
-            "-m",
-            "trainflow.frameworks.unsloth",
-            str(u.TINY_CONFIG),
-            "--overrides",
-            json.dumps(overrides),
-            "--result-dir",
-            str(tmp_path / "results"),
-        ],
-        cwd=REPO_ROOT,
-        env=_clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    done, results, base = run_tiny_config(tmp_path, 2, max_steps=4, env=_clean_env(), timeout=400)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert CPU_BANNER in done.stdout
-    results = [json.loads((tmp_path / "results" / f"rank{r}.json").read_text()) for r in (0, 1)]
     for result in results:
         assert result["device"] == "cpu" and result["world_size"] == 2
         assert result["steps"] == 4 and len(result["loss_history"]) == 4

@@ -4,19 +4,15 @@ Real GPUs only (no mocks), from .venvs/unsloth (`bash scripts/setup-framework.sh
 skipped, saying which is missing, elsewhere. The first test uses 1 GPU, the second 2 (DDP).
 """
 
-import json
 import math
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.frameworks.unsloth_torchrun import VENV_BIN, run_tiny_config
 from trainflow.frameworks import unsloth as u
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VENV_BIN = REPO_ROOT / ".venvs" / "unsloth" / "bin"
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,39 +26,12 @@ pytestmark = [
 
 def run_tiny(tmp_path: Path, gpus: int) -> tuple[list[dict], str]:
     """Train unsloth-tiny.yaml on `gpus` GPUs with torchrun; each rank's result and the log."""
-    base = u.write_tiny_llama(tmp_path / "tiny-llama")
-    overrides = {"model_name": base, "output_dir": str(tmp_path / "out"), "max_steps": 6}
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNSLOTH_")}
     env["HF_HUB_OFFLINE"] = "1"
     env["UNSLOTH_DISABLE_STATISTICS"] = "1"
-    done = subprocess.run(
-        [
-            str(VENV_BIN / "torchrun"),
-            "--nproc_per_node",
-            str(gpus),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "localhost:0",
-            "-m",
-            "trainflow.frameworks.unsloth",
-            str(u.TINY_CONFIG),
-            "--overrides",
-            json.dumps(overrides),
-            "--result-dir",
-            str(tmp_path / "results"),
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    done, results, _ = run_tiny_config(tmp_path, gpus, max_steps=6, env=env, timeout=540)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
-    results = [
-        json.loads((tmp_path / "results" / f"rank{r}.json").read_text()) for r in range(gpus)
-    ]
     return results, log
 
 

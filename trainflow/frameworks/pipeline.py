@@ -21,11 +21,17 @@ def stage_base_model(config: FrameworkConfig, out: Path) -> str:
         return config.base_model
     if (out / "config.json").is_file():
         return str(out)  # a retry of this run: the same seeded weights are already there
+    return save_tiny_model(config.base_model, config.tokenizer_path(), out)
+
+
+def save_tiny_model(name: str, tokenizer_path: str, out: Path, seed: int = 0) -> str:
+    """Build the tiny architecture `name` (`tiny-llama`) with its tokenizer, seeded, and save
+    both as one model folder at `out`, whole or not at all; returns the folder."""
     from trainflow.data.tokenizer import load_tokenizer
     from trainflow.models.causal_lm import build_causal_lm
 
-    tokenizer = load_tokenizer(config.tokenizer_path())
-    model = build_causal_lm(config.base_model, tokenizer, seed=0)
+    tokenizer = load_tokenizer(tokenizer_path)
+    model = build_causal_lm(name, tokenizer, seed=seed)
     partial = out.with_name(out.name + ".partial")
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)

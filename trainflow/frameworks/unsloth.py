@@ -302,36 +302,6 @@ def _default_env(config: dict) -> None:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-def write_tiny_llama(path: str | os.PathLike, seed: int = 0) -> str:
-    """Write a tiny random Llama (2 layers, hidden 128) with the shipped tokenizer to `path`.
-
-    The model folder unsloth-tiny.yaml trains. Imports transformers: call it in a process that
-    does not go on to import unsloth (our main environment, or a separate process).
-    """
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(str(REPO_ROOT / "data" / "tokenizer"))
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(Path(path).resolve())
-
-
 # ------------------------------------------------------------------ the rank function
 
 
