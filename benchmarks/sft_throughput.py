@@ -106,6 +106,9 @@ def plain(steps: int, rows_file: str, out: str, dump_first_batch: bool) -> None:
         first = next(iter(trainer.get_train_dataloader()))
         torch.save(dict(first), Path(out) / FIRST_BATCH.format(rank=rank))
     output = trainer.train()
+    # As a torchrun script should.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     if rank == 0:
         tokens = max(h.get("num_tokens", 0.0) for h in trainer.state.log_history)
         (Path(out) / "plain.json").write_text(
@@ -304,7 +307,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.plain_rank:
         plain(args.steps, args.plain_rank, args.plain_out, args.dump_first_batch)
-        return
+        # Exit as the pipeline's ranks do (handlers run, no interpreter teardown): about one
+        # run in fifteen, a rank aborted in the teardown of the modules it had loaded
+        # ("terminate called without an active exception", no Python frame left), failing
+        # a run whose training had finished. Timings come from `train_runtime` either way.
+        from trainflow.cli import exit_now
+
+        exit_now()
     with tempfile.TemporaryDirectory() as tmp:
         result = compare(args.steps, args.gpus, Path(tmp), repeats=args.repeats)
     if result["settings_differ"]:
