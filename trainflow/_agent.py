@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import ctypes
 import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -103,6 +104,19 @@ def _kill_workers(agent: LocalElasticAgent, worker_group: WorkerGroup) -> None:
     agent._shutdown(death_sig=signal.SIGKILL)
 
 
+def _preload(name: str) -> list[str]:
+    """Import module `name`, then the modules it lists in `RANK_IMPORTS` that are installed:
+    what its ranks import only once they run (a workload module stays light for the flow's
+    process, which imports it too but never trains). Returns the names imported."""
+    module = importlib.import_module(name)
+    done = [name]
+    for extra in getattr(module, "RANK_IMPORTS", ()):
+        if importlib.util.find_spec(extra.partition(".")[0]) is not None:
+            importlib.import_module(extra)
+            done.append(extra)
+    return done
+
+
 def standby(log: str, preload: list[str]) -> int:
     """Import `preload` now, then run the launch whose folder the caller writes to stdin.
 
@@ -111,13 +125,14 @@ def standby(log: str, preload: list[str]) -> int:
     """
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     started = time.monotonic()
+    imported: list[str] = []
     for name in preload:
         try:
-            importlib.import_module(name)
+            imported += _preload(name)
         except Exception as exc:
             print(f"standby agent: could not import {name}: {exc!r}", flush=True)
     took = time.monotonic() - started
-    print(f"standby agent: imported {', '.join(preload) or 'nothing'} in {took:.1f}s", flush=True)
+    print(f"standby agent: imported {', '.join(imported) or 'nothing'} in {took:.1f}s", flush=True)
     line = sys.stdin.readline().strip()
     if not line:
         return 0  # not needed after all

@@ -57,6 +57,27 @@ def test_a_launch_uses_the_agent_started_ahead_with_the_environment_of_the_launc
     assert not list(Path(tempfile.gettempdir()).glob(f"trainflow-standby-{os.getpid()}-*"))
 
 
+def _rank_modules() -> dict:
+    return {"dependency": "ahead_dependency" in sys.modules}
+
+
+def test_the_agent_also_imports_what_the_module_lists_for_its_ranks(tmp_path, monkeypatch):
+    # A workload module names what its ranks import only once they run (`RANK_IMPORTS`); the
+    # agent imports those too, skipping what is not installed, and the ranks fork with them.
+    (tmp_path / "ahead_workload.py").write_text(
+        'RANK_IMPORTS = ("ahead_dependency", "no_such_distribution.sub")\n'
+    )
+    (tmp_path / "ahead_dependency.py").write_text("LOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the agent imports from the caller's path
+    discard = standby(OPTIONS, ["ahead_workload"])
+    result = launch(_rank_modules, options=OPTIONS, on_line=lambda r, line: None)
+    assert result.values == [{"dependency": True}, {"dependency": True}]
+    agent_log = (result.run_dir / "agent.log").read_text()
+    assert "standby agent: imported ahead_workload, ahead_dependency in" in agent_log
+    assert "could not import" not in agent_log
+    discard()
+
+
 def test_a_launch_with_other_options_starts_its_own_agent_and_the_unused_one_is_stopped():
     discard = standby(LaunchOptions(gpus=2, gpu_type="cpu", env={"SETTING": "a"}))
     (pid,) = _standby_pids()

@@ -68,6 +68,18 @@ __all__ = [
 ]
 
 
+# Imported by a rank only once it trains, so the flow's process (which imports this module for
+# its checks and evaluation) does not pay for them; a launch's standby agent imports them
+# ahead (`trainflow._agent`), once, for ranks forked from it. Accelerate imports DeepSpeed
+# whenever it is installed (to unwrap the trained model for saving), whatever the technique.
+RANK_IMPORTS = (
+    "trl.trainer.sft_trainer",
+    "trainflow.data.loader",
+    "mlflow.store.tracking.sqlalchemy_store",
+    "deepspeed",
+)
+
+
 def build_model(job: SFTJob) -> PreTrainedModel:
     """The architecture without pretrained weights (the subflow checks the technique on it)."""
     tokenizer = load_tokenizer(job.config.tokenizer_path())
