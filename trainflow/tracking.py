@@ -124,6 +124,9 @@ class MlflowSink:
 
 
 PROGRESS_FILE = "progress.json"
+# What rank 0 imports once it logs its first metrics (`metrics_sink`): workloads list it in
+# their `RANK_IMPORTS`, so that a launch's standby agent imports it ahead of the ranks.
+SINK_IMPORTS = ("mlflow.store.tracking.sqlalchemy_store",)
 
 
 class ProgressFile:

@@ -25,8 +25,12 @@ from trainflow.models.detection import BoxPredictor, build_retinanet
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.job import TrainResult, local_path
 from trainflow.strategies.loop import Batch, Schedule, exported, fit
-from trainflow.tracking import PROGRESS_FILE, metrics_sink
+from trainflow.tracking import PROGRESS_FILE, SINK_IMPORTS, metrics_sink
 from trainflow.workloads import Evaluation
+
+# Imported by the ranks only once they run (the MDS reader; rank 0's MLflow store); the
+# launch's standby agent imports them ahead.
+RANK_IMPORTS = ("streaming", *SINK_IMPORTS)
 
 Target = dict[str, Tensor]
 Split = list[tuple[Tensor, Target]]

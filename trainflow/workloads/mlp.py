@@ -21,8 +21,16 @@ from trainflow.models.mlp import SimpleMLP
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.job import TrainResult, local_path
 from trainflow.strategies.loop import Batch, SampleLog, Schedule, Work, exported, fit
-from trainflow.tracking import PROGRESS_FILE, metrics_sink, register_pytorch_model
+from trainflow.tracking import (
+    PROGRESS_FILE,
+    SINK_IMPORTS,
+    metrics_sink,
+    register_pytorch_model,
+)
 from trainflow.workloads import Evaluation
+
+# Imported by rank 0 only once it logs; the launch's standby agent imports it ahead.
+RANK_IMPORTS = SINK_IMPORTS
 
 # Ground-truth function parameters come from a fixed seed, so train and held-out data agree
 # whatever seed the run uses for sampling.

@@ -41,6 +41,7 @@ from trainflow.strategies.base import gather_full_state_dict
 from trainflow.strategies.job import TrainResult, local_path
 from trainflow.tracking import (
     PROGRESS_FILE,
+    SINK_IMPORTS,
     MetricsSink,
     ProgressFile,
     metrics_sink,
@@ -72,12 +73,7 @@ __all__ = [
 # its checks and evaluation) does not pay for them; a launch's standby agent imports them
 # ahead (`trainflow._agent`), once, for ranks forked from it. Accelerate imports DeepSpeed
 # whenever it is installed (to unwrap the trained model for saving), whatever the technique.
-RANK_IMPORTS = (
-    "trl.trainer.sft_trainer",
-    "trainflow.data.loader",
-    "mlflow.store.tracking.sqlalchemy_store",
-    "deepspeed",
-)
+RANK_IMPORTS = ("trl.trainer.sft_trainer", "trainflow.data.loader", *SINK_IMPORTS, "deepspeed")
 
 
 def build_model(job: SFTJob) -> PreTrainedModel:

@@ -20,8 +20,16 @@ from trainflow.models.transformer import TransformerClassifier
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.job import TrainResult, local_path
 from trainflow.strategies.loop import Batch, Schedule, Work, exported, fit
-from trainflow.tracking import PROGRESS_FILE, metrics_sink, register_pytorch_model
+from trainflow.tracking import (
+    PROGRESS_FILE,
+    SINK_IMPORTS,
+    metrics_sink,
+    register_pytorch_model,
+)
 from trainflow.workloads import Evaluation
+
+# Imported by rank 0 only once it logs; the launch's standby agent imports it ahead.
+RANK_IMPORTS = SINK_IMPORTS
 
 # The classes' key tokens come from a fixed seed: training and held-out data always agree.
 _TRUTH_SEED = 4321

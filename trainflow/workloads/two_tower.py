@@ -36,8 +36,12 @@ from trainflow.errors import Preempted
 from trainflow.models.two_tower import TwoTower, recall_at_k, sampled_negative_loss
 from trainflow.strategies.base import Strategy, adamw, gather_full_state_dict
 from trainflow.strategies.job import TrainResult, local_path
-from trainflow.tracking import PROGRESS_FILE, ProgressFile, tracking_uri
+from trainflow.tracking import PROGRESS_FILE, SINK_IMPORTS, ProgressFile, tracking_uri
 from trainflow.workloads import Evaluation
+
+# Imported by rank 0 only once Lightning's MLflow logger starts; the launch's standby agent
+# imports it ahead.
+RANK_IMPORTS = SINK_IMPORTS
 
 LIGHTNING_CHECKPOINT = "lightning.ckpt"
 
