@@ -11,6 +11,9 @@
 # The pipeline itself (Prefect, MLflow, data preparation, evaluation) runs in .venv; only
 # the ranks run here (`LaunchOptions.python`). trainflow is installed without its
 # dependencies: the rank side needs only torch, psutil and cloudpickle, listed in each file.
+# Where .venv exists, the distributions a framework environment shares with it at the same
+# version (Unsloth's torch and CUDA libraries, 5.6 GB) are hard links to .venv's files, not
+# copies (scripts/share_packages.py): the four environments take about 18 GB, not 26.
 # Running it again on an existing environment only checks it (seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,9 +57,18 @@ case "$name" in
         export PIP_CONSTRAINT=/dev/null
         ;;
 esac
+share=0
+if [[ -x .venv/bin/python ]]; then
+    share=1
+    # What it pins at .venv's version is linked from .venv, not copied (see the script).
+    .venv/bin/python scripts/share_packages.py seed "$venv" "scripts/frameworks/$name.txt"
+fi
 echo "Installing $name into $venv (scripts/frameworks/$name.txt)"
 "$venv/bin/pip" install --quiet --progress-bar off -r "scripts/frameworks/$name.txt"
 "$venv/bin/pip" install --quiet --progress-bar off --no-deps -e .
+if [[ "$share" == 1 ]]; then
+    .venv/bin/python scripts/share_packages.py link "$venv"
+fi
 "$venv/bin/python" -c "import trainflow._agent, trainflow._worker" \
     || { echo "$venv cannot import trainflow's rank side" >&2; exit 1; }
 echo "$name ready: $venv/bin/python"

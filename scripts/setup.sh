@@ -9,15 +9,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 with_browser=0
+with_frameworks=0
 frameworks_pid=""
 for arg in "$@"; do
     case "$arg" in
         --with-browser) with_browser=1 ;;
-        --with-frameworks)
-            # Their own environments download beside this one's install (minutes, GBs).
-            bash scripts/setup-framework.sh all > .venvs-setup.log 2>&1 &
-            frameworks_pid=$!
-            ;;
+        --with-frameworks) with_frameworks=1 ;;
         *) echo "unknown option $arg (use --with-browser, --with-frameworks)" >&2; exit 2 ;;
     esac
 done
@@ -28,6 +25,15 @@ fi
 # DeepSpeed compiles no ops at install; the CPU paths use torch's own Adam.
 DS_BUILD_OPS=0 .venv/bin/pip install --quiet --progress-bar off -c constraints.txt -e ".[dev,ray,k8s]"
 echo "Python packages installed in .venv"
+
+if [[ "$with_frameworks" == 1 ]]; then
+    # Their own environments (minutes, GBs) install while the rest of this runs. They start
+    # after .venv: what they share with it (torch and its CUDA libraries for Unsloth) is
+    # linked from it, not copied (scripts/share_packages.py).
+    echo "Disk free for the framework environments: $(df -h --output=avail . | tail -n 1 | tr -d ' ')"
+    bash scripts/setup-framework.sh all > .venvs-setup.log 2>&1 &
+    frameworks_pid=$!
+fi
 
 if [[ "$with_browser" == 1 ]]; then
     if [[ -x /usr/bin/chromium ]]; then
