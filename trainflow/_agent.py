@@ -104,17 +104,27 @@ def _kill_workers(agent: LocalElasticAgent, worker_group: WorkerGroup) -> None:
     agent._shutdown(death_sig=signal.SIGKILL)
 
 
-def _preload(name: str) -> list[str]:
+def _preload(name: str) -> tuple[list[str], list[str]]:
     """Import module `name`, then the modules it lists in `RANK_IMPORTS` that are installed:
     what its ranks import only once they run (a workload module stays light for the flow's
-    process, which imports it too but never trains). Returns the names imported."""
-    module = importlib.import_module(name)
-    done = [name]
+    process, which imports it too but never trains). Returns the names imported and, for
+    each that failed, `module: error`; one failure does not stop the rest."""
+    done, failed = [], []
+    try:
+        module = importlib.import_module(name)
+    except Exception as exc:
+        return done, [f"{name}: {exc!r}"]
+    done.append(name)
     for extra in getattr(module, "RANK_IMPORTS", ()):
-        if importlib.util.find_spec(extra.partition(".")[0]) is not None:
+        try:
+            if importlib.util.find_spec(extra.partition(".")[0]) is None:
+                continue  # not installed: its rank code never needs it here
             importlib.import_module(extra)
+        except Exception as exc:
+            failed.append(f"{extra} (RANK_IMPORTS of {name}): {exc!r}")
+        else:
             done.append(extra)
-    return done
+    return done, failed
 
 
 def standby(log: str, preload: list[str]) -> int:
@@ -127,10 +137,10 @@ def standby(log: str, preload: list[str]) -> int:
     started = time.monotonic()
     imported: list[str] = []
     for name in preload:
-        try:
-            imported += _preload(name)
-        except Exception as exc:
-            print(f"standby agent: could not import {name}: {exc!r}", flush=True)
+        done, failed = _preload(name)
+        imported += done
+        for failure in failed:
+            print(f"standby agent: could not import {failure}", flush=True)
     took = time.monotonic() - started
     print(f"standby agent: imported {', '.join(imported) or 'nothing'} in {took:.1f}s", flush=True)
     line = sys.stdin.readline().strip()

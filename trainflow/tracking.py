@@ -532,16 +532,23 @@ def register_transformers_model(
     input_example: str,
     tags: Mapping[str, str],
     card: str = "",
+    *,
+    checkpoint: str | Path | None = None,
+    scratch_dir: str | Path | None = None,
 ) -> str:
     """Log a causal LM as an MLflow `transformers` text-generation model, register and tag it.
 
-    The model and tokenizer are saved as a checkpoint first, and MLflow logs that checkpoint:
-    given the model object instead, MLflow would load what it saved once more and run it on
-    `input_example` (twice the model in memory: minutes, or out of memory, for a 20B model;
-    0.5 s of a tiny run). The pipeline's evaluation has already run the model. The signature
-    (a prompt in, its generated text out), pip requirements (the installed versions of what
-    the pipeline loads the model with), dtype and model card (from `card`, a markdown text)
-    are given, not inferred or looked up on the Hub. Returns the version.
+    MLflow logs a saved checkpoint: given the model object instead, it would load what it
+    saved once more and run it on `input_example` (twice the model in memory: minutes, or out
+    of memory, for a 20B model; 0.5 s of a tiny run). The pipeline's evaluation has already run
+    the model. `checkpoint` is a folder that already holds exactly `model`, as
+    `save_pretrained` wrote it (a full fine-tune's output): it is logged as it is, with the
+    tokenizer saved into it if it has none. Otherwise `model` and `tokenizer` are saved to a
+    folder in `scratch_dir` (default: the temp folder), removed after; give the run's output
+    folder, sized for checkpoints: MLflow stages its own copy in the temp folder too. The
+    signature (a prompt in, its generated text out), pip requirements (the installed versions
+    of what the pipeline loads the model with), dtype and model card (from `card`, a markdown
+    text) are given, not inferred or looked up on the Hub. Returns the version.
     """
     import tempfile
 
@@ -553,15 +560,25 @@ def register_transformers_model(
     if type(model).__module__.startswith("peft"):
         requirements.append("peft")
     mlflow.set_tracking_uri(tracking_uri())
-    with (
-        tempfile.TemporaryDirectory(prefix=f"{registered_model_name}-") as checkpoint,
-        store_lock(),
-        mlflow.start_run(run_id=run_id),
-    ):
-        model.save_pretrained(checkpoint)
-        tokenizer.save_pretrained(checkpoint)
+    with contextlib.ExitStack() as stack:
+        if checkpoint is None:
+            if scratch_dir is not None:
+                Path(scratch_dir).mkdir(parents=True, exist_ok=True)
+            folder = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix=f"{registered_model_name}-", dir=scratch_dir)
+            )
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+        else:
+            folder = str(checkpoint)
+            if not (Path(folder) / "config.json").is_file():
+                raise FileNotFoundError(f"{folder}: no config.json; not a saved model to register")
+            if not (Path(folder) / "tokenizer_config.json").is_file():
+                tokenizer.save_pretrained(folder)
+        stack.enter_context(store_lock())
+        stack.enter_context(mlflow.start_run(run_id=run_id))
         info = mlflow.transformers.log_model(
-            transformers_model=checkpoint,
+            transformers_model=folder,
             name="model",
             task="text-generation",
             torch_dtype=model.dtype,

@@ -111,3 +111,26 @@ def test_the_agent_started_ahead_ends_when_its_caller_is_killed(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(pid), "the standby agent outlived the process that started it"
+
+
+def test_a_listed_module_that_fails_to_import_is_named_and_the_rest_still_load(
+    tmp_path, monkeypatch
+):
+    from trainflow._agent import _preload
+
+    (tmp_path / "listing_workload.py").write_text(
+        'RANK_IMPORTS = ("listing_broken", "listing_fine")\n'
+    )
+    (tmp_path / "listing_broken.py").write_text("raise RuntimeError('needs a GPU driver')\n")
+    (tmp_path / "listing_fine.py").write_text("LOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    done, failed = _preload("listing_workload")
+    assert done == ["listing_workload", "listing_fine"]
+    assert failed == [
+        "listing_broken (RANK_IMPORTS of listing_workload): RuntimeError('needs a GPU driver')"
+    ]
+    # A workload module that cannot be imported at all is named the same way.
+    assert _preload("listing_missing") == (
+        [],
+        ["listing_missing: ModuleNotFoundError(\"No module named 'listing_missing'\")"],
+    )

@@ -10,11 +10,14 @@ import tempfile
 from pathlib import Path
 
 import mlflow
+import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from transformers import AutoModelForCausalLM
 
 from trainflow import tracking
 from trainflow.data.tokenizer import load_tokenizer
+from trainflow.frameworks.pipeline import only_model
 from trainflow.models.causal_lm import build_causal_lm
 from trainflow.workloads import sft
 
@@ -50,3 +53,57 @@ def test_registered_checkpoint_loads_from_the_registry_and_generates(tmp_path, m
     assert weights.is_file()
     # The checkpoint MLflow logged from was a temporary folder: nothing of it is left.
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_full_fine_tunes_folder_is_registered_as_it_is(tmp_path, monkeypatch):
+    # The ranks' output of a full fine-tune holds the model: MLflow logs that folder, and no
+    # copy of the model is written anywhere else (the temp folder stays empty).
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    tokenizer = load_tokenizer(sft.SHIPPED_TOKENIZER)
+    folder = tmp_path / "run" / "model"
+    build_causal_lm("tiny-llama", tokenizer, seed=1).save_pretrained(folder)  # no tokenizer
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert sft.holds_unchanged(folder, model) and only_model(folder)
+    prompt = "Name a colour."
+
+    with tracking.pipeline_run("registration", "register", params={}) as run_id:
+        version = tracking.register_transformers_model(
+            run_id, model, tokenizer, "tiny-folder", prompt, {}, checkpoint=folder
+        )
+
+    assert (folder / "tokenizer_config.json").is_file()  # added, so the folder loads alone
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/tiny-folder/{version}"))
+    logged = (local / "model" / "model.safetensors").read_bytes()
+    assert logged == (folder / "model.safetensors").read_bytes()
+    answer = mlflow.pyfunc.load_model(f"models:/tiny-folder/{version}").predict(
+        [prompt], params={"max_new_tokens": 2}
+    )
+    assert isinstance(answer[0], str)
+    assert not any(p.name.startswith("tiny-folder") for p in (tmp_path / "tmp").iterdir())
+
+
+def test_a_changed_or_crowded_folder_is_not_registered_as_it_is(tmp_path):
+    tokenizer = load_tokenizer(sft.SHIPPED_TOKENIZER)
+    folder = tmp_path / "model"
+    build_causal_lm("tiny-llama", tokenizer, seed=1).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.config.output_router_logits = False  # what load_model turns off for inference
+    assert not sft.holds_unchanged(folder, model)
+    (folder / "checkpoint-10").mkdir()  # a framework's checkpoint beside its model
+    assert not only_model(folder)
+
+
+def test_a_model_without_a_folder_is_saved_in_the_scratch_folder_and_removed(tmp_path):
+    tokenizer = load_tokenizer(sft.SHIPPED_TOKENIZER)
+    model = build_causal_lm("tiny-llama", tokenizer, seed=0).eval()
+    scratch = tmp_path / "run"
+    with tracking.pipeline_run("registration", "register", params={}) as run_id:
+        tracking.register_transformers_model(
+            run_id, model, tokenizer, "tiny-scratch", "Hi", {}, scratch_dir=scratch
+        )
+    assert scratch.is_dir() and list(scratch.iterdir()) == []
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        tracking.register_transformers_model(
+            run_id, model, tokenizer, "tiny-scratch", "Hi", {}, checkpoint=tmp_path / "empty"
+        )

@@ -17,6 +17,7 @@ This package imports nothing heavy: the registry is read before any rank starts.
 
 import importlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
@@ -56,11 +57,16 @@ class WorkloadSpec:
 class Evaluation:
     """Held-out metrics, and what registration needs from the same pass: the trained model
     they were computed on and, where the workload takes it from the held-out data, an input
-    example."""
+    example. `saved` is the folder that model was loaded from unchanged (a full fine-tune's
+    output, not an adapter merged after loading), so registration logs that folder as it is;
+    `scratch` is where a model with no such folder is saved for registration (the run's
+    output folder, sized for checkpoints, not the temp disk)."""
 
     metrics: dict[str, float]
     model: Any = field(default=None, repr=False)
     input_example: Any = field(default=None, repr=False)
+    saved: Path | None = None
+    scratch: Path | None = None
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {

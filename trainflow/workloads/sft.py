@@ -753,7 +753,8 @@ def evaluate(job: SFTJob, trained: TrainResult) -> Evaluation:
     """Held-out metrics of the trained model (`eval_*`) and of the untrained one (`untrained_*`).
 
     The trained model is loaded once here and kept in the result for registration, with the
-    first held-out prompt as its input example.
+    first held-out prompt as its input example, and the folder it was loaded from when that
+    folder holds it unchanged (full fine-tuning): registration logs that folder, not a copy.
     """
     from trainflow.evaluation import trained_vs_untrained
 
@@ -767,7 +768,17 @@ def evaluate(job: SFTJob, trained: TrainResult) -> Evaluation:
         batch_size=e.batch_size,
         max_new_tokens=e.max_new_tokens,
     )
-    return Evaluation(metrics, model, input_example=example)
+    folder = trained_model_dir(output_dir)
+    saved = None if config.lora or not holds_unchanged(folder, model) else folder
+    return Evaluation(metrics, model, input_example=example, saved=saved, scratch=output_dir)
+
+
+def holds_unchanged(folder: Path, model: Any) -> bool:
+    """Whether `folder` holds `model` as loaded: same configuration (`load_model` turns off
+    training-only settings such as the router loss, which the saved config may still have)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder).to_diff_dict() == model.config.to_diff_dict()
 
 
 def log_model(
@@ -783,6 +794,8 @@ def log_model(
         evaluation.input_example,
         tags,
         card=model_card(job.config, evaluation.metrics, tags),
+        checkpoint=evaluation.saved,
+        scratch_dir=evaluation.scratch,
     )
 
 
