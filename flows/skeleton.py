@@ -146,7 +146,10 @@ def tracked_run(
     ):
         output_dir = run_output_dir(workload.name, run_id)
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / STOP_FILE).unlink(missing_ok=True)  # an earlier stop, not this run's
+        if resume is not None:
+            # The stop that ended its earlier attempt. A new run's stop file can only be this
+            # run's: a sweep may ask a trial to stop as soon as its MLflow run exists.
+            (output_dir / STOP_FILE).unlink(missing_ok=True)
         if resume is None:
             saved = config.model_dump(mode="json", exclude={"resume"})
             (output_dir / RUN_CONFIG_FILE).write_text(json.dumps(saved, indent=2))

@@ -264,7 +264,10 @@ class _Trials:
         run_id = self.run_id(number)
         if run_id is None:
             return False
-        (run_output_dir(self.config.pipeline, run_id) / STOP_FILE).touch()
+        # The trial may not have made its output folder yet: it finds the file when it does.
+        folder = run_output_dir(self.config.pipeline, run_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / STOP_FILE).touch()
         return True
 
     def start_trials(self) -> None:
