@@ -241,13 +241,7 @@ def evaluate_and_register(
 ) -> tuple[dict[str, float], str, str | None]:
     """Score the trained model on the held-out split against its base, log the metrics,
     register it, and give it the champion alias past the gate."""
-    from trainflow.frameworks.pipeline import (
-        evaluate,
-        model_card,
-        only_model,
-        trained_model_dir,
-    )
-    from trainflow.workloads.sft import holds_unchanged
+    from trainflow.frameworks.pipeline import evaluate, model_card, trained_model_dir
 
     trained = trained_model_dir(result)
     metrics, model, example = evaluate(config, data.uri, base_model, trained)
@@ -268,7 +262,7 @@ def evaluate_and_register(
         card=model_card(framework, config, metrics, tags),
         # The framework's folder may hold more than the model (its checkpoints, logs): the
         # model is saved again, beside it on the run's disk, unless the folder is the model.
-        checkpoint=trained if only_model(trained) and holds_unchanged(trained, model) else None,
+        checkpoint=trained if tracking.registrable_as_is(trained, model) else None,
         scratch_dir=trained.parent,
     )
     alias = None if failures else "champion"

@@ -146,13 +146,13 @@ def tracked_run(
     ):
         output_dir = run_output_dir(workload.name, run_id)
         output_dir.mkdir(parents=True, exist_ok=True)
-        if resume is not None:
-            # The stop that ended its earlier attempt. A new run's stop file can only be this
-            # run's: a sweep may ask a trial to stop as soon as its MLflow run exists.
-            (output_dir / STOP_FILE).unlink(missing_ok=True)
         if resume is None:
+            # A new run's stop file can only be its own: a sweep may ask a trial to stop as
+            # soon as its MLflow run exists.
             saved = config.model_dump(mode="json", exclude={"resume"})
             (output_dir / RUN_CONFIG_FILE).write_text(json.dumps(saved, indent=2))
+        else:
+            (output_dir / STOP_FILE).unlink(missing_ok=True)  # what stopped its earlier attempt
         verb = "continuing" if resume else "started"
         print(
             f"MLflow run {run_id} {verb} (experiment {config.experiment_name!r}); if it "

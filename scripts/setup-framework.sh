@@ -12,7 +12,7 @@
 # the ranks run here (`LaunchOptions.python`). trainflow is installed without its
 # dependencies: the rank side needs only torch, psutil and cloudpickle, listed in each file.
 # Where .venv exists, the distributions a framework environment shares with it at the same
-# version (Unsloth's torch and CUDA libraries, 5.6 GB) are hard links to .venv's files, not
+# version (Unsloth's torch and CUDA libraries, 5.4 GiB) are hard links to .venv's files, not
 # copies (scripts/share_packages.py): the four environments take about 18 GB, not 26.
 # Running it again on an existing environment only checks it (seconds).
 set -euo pipefail

@@ -5,21 +5,22 @@
 
 Each framework environment (scripts/setup-framework.sh) is a full virtual environment, and
 several hold the same large distributions as .venv: Unsloth's torch 2.14.1 with its CUDA
-libraries (5.6 GB), and in every one MLflow's and streaming's dependencies (oci, scipy,
+libraries (5.4 GiB), and in every one MLflow's and streaming's dependencies (oci, scipy,
 sympy: about 1 GB). Four separate copies came to 26 GB, more than a small build machine has
 free. Here an identical distribution is stored once: the framework environment's files are
 hard links to .venv's.
 
 - `seed VENV REQUIREMENTS`, before `pip install -r REQUIREMENTS`: links in the distributions
-  that REQUIREMENTS pins (`name==version`) at the version .venv has, and those they pin
-  exactly in turn (torch's `nvidia-*==`, `triton==`). pip then finds them satisfied, so the
-  largest ones are never copied and the disk never holds both copies.
+  that REQUIREMENTS pins (`name==version`) at the version .venv has, and what they depend on
+  that .venv has at a version the dependency (and any pin of REQUIREMENTS) accepts, extras
+  followed (torch's `cuda-toolkit[...]`, `nvidia-*`, triton). pip then finds them satisfied,
+  so the largest ones are never copied and the disk never holds both copies.
 - `link VENV`, after the install: replaces every distribution of VENV that is identical to
   .venv's (same name, version and file hashes, as their RECORD files list them) with links.
 
 Run it with .venv's interpreter: .venv is the environment it reads. It uses the standard
-library only. Where the two folders cannot hold hard links to each other (another
-filesystem), it says so and changes nothing: the environments just keep their own copies.
+library and pip's own `packaging` only. Where the two folders cannot hold hard links to each
+other (another filesystem), it says so and changes nothing: each keeps its own copies.
 
 Hard links are safe here because neither pip nor Python writes into an installed file: pip
 unlinks a file before writing one in its place, and uninstalling removes the link only;
@@ -32,7 +33,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as metadata
 import os
-import re
 import shutil
 import sys
 import sysconfig
@@ -40,12 +40,10 @@ from pathlib import Path
 
 try:  # pip's own copy of `packaging`: present in every environment that has pip
     from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.utils import canonicalize_name as canonical
 except ImportError:  # pragma: no cover
     from packaging.requirements import Requirement
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+    from packaging.utils import canonicalize_name as canonical
 
 
 def site_packages(venv: Path) -> Path:

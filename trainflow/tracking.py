@@ -524,6 +524,25 @@ def _tag_version(registered_model_name: str, version: str, tags: Mapping[str, st
     return version
 
 
+def registrable_as_is(folder: str | Path, model: Any) -> bool:
+    """Whether `folder` holds exactly `model` as `save_pretrained` wrote it, so registration can
+    log the folder as it is: a full model (config.json, not a LoRA adapter), nothing beside it
+    (no subfolders such as a framework's checkpoints, no training state files), and the same
+    configuration as the loaded model (loading for inference may turn off training-only
+    settings such as the MoE router loss, which the saved config still has)."""
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file() or (folder / "adapter_config.json").exists():
+        return False
+    if any(
+        p.is_dir() or p.suffix in (".pt", ".pth", ".distcp") or p.name.startswith("optimizer")
+        for p in folder.iterdir()
+    ):
+        return False
+    return AutoConfig.from_pretrained(folder).to_diff_dict() == model.config.to_diff_dict()
+
+
 def register_transformers_model(
     run_id: str,
     model: Any,
@@ -542,7 +561,8 @@ def register_transformers_model(
     saved once more and run it on `input_example` (twice the model in memory: minutes, or out
     of memory, for a 20B model; 0.5 s of a tiny run). The pipeline's evaluation has already run
     the model. `checkpoint` is a folder that already holds exactly `model`, as
-    `save_pretrained` wrote it (a full fine-tune's output): it is logged as it is, with the
+    `save_pretrained` wrote it (a full fine-tune's output, `registrable_as_is`): it is logged
+    as it is, with the
     tokenizer saved into it if it has none. Otherwise `model` and `tokenizer` are saved to a
     folder in `scratch_dir` (default: the temp folder), removed after; give the run's output
     folder, sized for checkpoints: MLflow stages its own copy in the temp folder too. The

@@ -17,7 +17,6 @@ from transformers import AutoModelForCausalLM
 
 from trainflow import tracking
 from trainflow.data.tokenizer import load_tokenizer
-from trainflow.frameworks.pipeline import only_model
 from trainflow.models.causal_lm import build_causal_lm
 from trainflow.workloads import sft
 
@@ -64,7 +63,7 @@ def test_a_full_fine_tunes_folder_is_registered_as_it_is(tmp_path, monkeypatch):
     folder = tmp_path / "run" / "model"
     build_causal_lm("tiny-llama", tokenizer, seed=1).save_pretrained(folder)  # no tokenizer
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    assert sft.holds_unchanged(folder, model) and only_model(folder)
+    assert tracking.registrable_as_is(folder, model)
     prompt = "Name a colour."
 
     with tracking.pipeline_run("registration", "register", params={}) as run_id:
@@ -88,10 +87,15 @@ def test_a_changed_or_crowded_folder_is_not_registered_as_it_is(tmp_path):
     folder = tmp_path / "model"
     build_causal_lm("tiny-llama", tokenizer, seed=1).save_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder)
-    model.config.output_router_logits = False  # what load_model turns off for inference
-    assert not sft.holds_unchanged(folder, model)
+    assert tracking.registrable_as_is(folder, model)
+    changed = AutoModelForCausalLM.from_pretrained(folder)
+    changed.config.output_router_logits = False  # what load_model turns off for inference
+    assert not tracking.registrable_as_is(folder, changed)
     (folder / "checkpoint-10").mkdir()  # a framework's checkpoint beside its model
-    assert not only_model(folder)
+    assert not tracking.registrable_as_is(folder, model)
+    (folder / "checkpoint-10").rmdir()
+    (folder / "adapter_config.json").write_text("{}")  # a LoRA adapter's folder
+    assert not tracking.registrable_as_is(folder, model)
 
 
 def test_a_model_without_a_folder_is_saved_in_the_scratch_folder_and_removed(tmp_path):

@@ -65,15 +65,6 @@ def trained_model_dir(result: dict[str, Any]) -> Path:
     return folder
 
 
-def only_model(folder: Path) -> bool:
-    """Whether a model folder holds the model alone, so that it can be registered as it is:
-    no subfolders (a framework's checkpoints, logs) and no training state files."""
-    return not any(
-        p.is_dir() or p.suffix in (".pt", ".pth", ".distcp") or p.name.startswith("optimizer")
-        for p in folder.iterdir()
-    )
-
-
 def evaluate(
     config: FrameworkConfig, data_uri: str, base_model: str, trained: Path
 ) -> tuple[dict[str, float], Any, str]:

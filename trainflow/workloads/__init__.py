@@ -57,16 +57,14 @@ class WorkloadSpec:
 class Evaluation:
     """Held-out metrics, and what registration needs from the same pass: the trained model
     they were computed on and, where the workload takes it from the held-out data, an input
-    example. `saved` is the folder that model was loaded from unchanged (a full fine-tune's
-    output, not an adapter merged after loading), so registration logs that folder as it is;
-    `scratch` is where a model with no such folder is saved for registration (the run's
-    output folder, sized for checkpoints, not the temp disk)."""
+    example. `model_dir` is the folder the trained model was loaded from (a full model or an
+    adapter): registration logs it as it is when it holds exactly that model, and otherwise
+    saves the model beside it, on the run's disk rather than the temp disk."""
 
     metrics: dict[str, float]
     model: Any = field(default=None, repr=False)
     input_example: Any = field(default=None, repr=False)
-    saved: Path | None = None
-    scratch: Path | None = None
+    model_dir: Path | None = None
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {

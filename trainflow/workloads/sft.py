@@ -46,6 +46,7 @@ from trainflow.tracking import (
     ProgressFile,
     metrics_sink,
     register_transformers_model,
+    registrable_as_is,
 )
 from trainflow.workloads import Evaluation
 
@@ -753,8 +754,7 @@ def evaluate(job: SFTJob, trained: TrainResult) -> Evaluation:
     """Held-out metrics of the trained model (`eval_*`) and of the untrained one (`untrained_*`).
 
     The trained model is loaded once here and kept in the result for registration, with the
-    first held-out prompt as its input example, and the folder it was loaded from when that
-    folder holds it unchanged (full fine-tuning): registration logs that folder, not a copy.
+    first held-out prompt as its input example, and the folder it was loaded from.
     """
     from trainflow.evaluation import trained_vs_untrained
 
@@ -768,24 +768,19 @@ def evaluate(job: SFTJob, trained: TrainResult) -> Evaluation:
         batch_size=e.batch_size,
         max_new_tokens=e.max_new_tokens,
     )
-    folder = trained_model_dir(output_dir)
-    saved = None if config.lora or not holds_unchanged(folder, model) else folder
-    return Evaluation(metrics, model, input_example=example, saved=saved, scratch=output_dir)
-
-
-def holds_unchanged(folder: Path, model: Any) -> bool:
-    """Whether `folder` holds `model` as loaded: same configuration (`load_model` turns off
-    training-only settings such as the router loss, which the saved config may still have)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(folder).to_diff_dict() == model.config.to_diff_dict()
+    return Evaluation(
+        metrics, model, input_example=example, model_dir=trained_model_dir(output_dir)
+    )
 
 
 def log_model(
     job: SFTJob, evaluation: Evaluation, run_id: str, name: str, tags: dict[str, str]
 ) -> str:
-    """Log the trained model (LoRA merged) with `mlflow.transformers` and register it."""
+    """Log the trained model (LoRA merged) with `mlflow.transformers` and register it: a full
+    fine-tune's folder as it is, a merged adapter saved once beside it (in the run's folder)."""
     tokenizer = load_tokenizer(job.config.tokenizer_path())
+    folder = evaluation.model_dir
+    assert folder is not None, "sft.evaluate gives the folder the model was loaded from"
     return register_transformers_model(
         run_id,
         evaluation.model,
@@ -794,8 +789,8 @@ def log_model(
         evaluation.input_example,
         tags,
         card=model_card(job.config, evaluation.metrics, tags),
-        checkpoint=evaluation.saved,
-        scratch_dir=evaluation.scratch,
+        checkpoint=folder if registrable_as_is(folder, evaluation.model) else None,
+        scratch_dir=folder.parent,
     )
 
 
