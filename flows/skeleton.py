@@ -147,8 +147,8 @@ def tracked_run(
         output_dir = run_output_dir(workload.name, run_id)
         output_dir.mkdir(parents=True, exist_ok=True)
         if resume is None:
-            # A new run's stop file can only be its own: a sweep may ask a trial to stop as
-            # soon as its MLflow run exists.
+            # A stop file here is this run's own and stays: a sweep may ask a trial to stop
+            # as soon as its MLflow run exists.
             saved = config.model_dump(mode="json", exclude={"resume"})
             (output_dir / RUN_CONFIG_FILE).write_text(json.dumps(saved, indent=2))
         else:

@@ -562,13 +562,13 @@ def register_transformers_model(
     of memory, for a 20B model; 0.5 s of a tiny run). The pipeline's evaluation has already run
     the model. `checkpoint` is a folder that already holds exactly `model`, as
     `save_pretrained` wrote it (a full fine-tune's output, `registrable_as_is`): it is logged
-    as it is, with the
-    tokenizer saved into it if it has none. Otherwise `model` and `tokenizer` are saved to a
-    folder in `scratch_dir` (default: the temp folder), removed after; give the run's output
-    folder, sized for checkpoints: MLflow stages its own copy in the temp folder too. The
-    signature (a prompt in, its generated text out), pip requirements (the installed versions
-    of what the pipeline loads the model with), dtype and model card (from `card`, a markdown
-    text) are given, not inferred or looked up on the Hub. Returns the version.
+    as it is, with the tokenizer saved into it if it has none. Otherwise `model` and
+    `tokenizer` are saved to a folder in `scratch_dir` (default: the temp folder), removed
+    after; give the run's output folder, sized for checkpoints: MLflow stages its own copy in
+    the temp folder too. The signature (a prompt in, its generated text out), pip
+    requirements (the installed versions of what the pipeline loads the model with), dtype
+    and model card (from `card`, a markdown text) are given, not inferred or looked up on the
+    Hub. Returns the version.
     """
     import tempfile
 
