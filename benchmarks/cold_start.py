@@ -31,6 +31,7 @@ MARKS = {
     "data_ready": r"Task run 'prepare-dataset-\w+' - Finished",
     "mlflow_run": r"MLflow run \w+ (started|continuing)",
     "training_subflow": r"Beginning subflow run",
+    "train_ended": r"\[rank 0\] \{'train_runtime'",  # the Trainer's summary (SFT)
     "trained": r"Task run 'train-with-technique-\w+' - Finished",
     "evaluated": r"Task run 'evaluate-\w+' - Finished",
     "registered": r"Task run 'register-model-\w+' - Finished",
@@ -80,7 +81,14 @@ def run_once(pipeline: str, args: list[str], env: dict[str, str], cwd: Path) -> 
         name: round(marks[b] - marks[a], 2) for name, a, b in STAGES if a in marks and b in marks
     }
     if "launch_and_training_s" in stages:
-        stages["launch_s"] = round(stages.pop("launch_and_training_s") - train_s, 2)
+        launch = stages.pop("launch_and_training_s")
+        if "train_ended" in marks:
+            # What the ranks do after the last step: save the model, and for SFT rank 0
+            # evaluates it and logs it to the MLflow run; then they exit.
+            after = marks["trained"] - marks["train_ended"]
+            stages["after_training_s"] = round(after, 2)
+            launch -= after
+        stages["launch_s"] = round(launch - train_s, 2)
     return {
         "wall_s": round(marks["exit"], 2),
         "train_s": round(train_s, 2),

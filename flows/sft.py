@@ -37,8 +37,8 @@ from tasks.data import prepare_dataset
 from trainflow import tracking
 from trainflow.cli import pipeline_config, run_pipeline, start_launch_agent
 from trainflow.configs.sft import SFTConfig, SFTJob, load_sft_preset, sft_preset_names
-from trainflow.memory import MemoryPlan, plan_sft
-from trainflow.workloads import WORKLOADS
+from trainflow.memory import MemoryPlan, plan_sft, remember_shape
+from trainflow.workloads import WORKLOADS, record_checked_ahead
 
 SFT = WORKLOADS["sft"]
 
@@ -56,7 +56,9 @@ def sft(config: SFTConfig = load_sft_preset("debug_cpu")) -> DatasetResult:
         "base_model": config.model,
         "lora": str(config.lora).lower(),
     }
-    job = SFTJob(config=config, data=data)
+    # Rank 0 evaluates the trained model and logs it right after training, where the model
+    # and its libraries are loaded: this process only registers it.
+    job = SFTJob(config=config, data=data, evaluate_on_ranks=True)
     with tracked_run(SFT, config, lineage, job=job, checked=True) as run:
         record_memory_plan(run.run_id, plan)
         trained = train(run, config)
@@ -131,15 +133,29 @@ def _check_files(config: SFTConfig) -> None:
 
 
 def _check_names(config: SFTConfig) -> None:
-    """Scheduler and LoRA target names, checked on the model built on the meta device, and
-    the memory estimate (a run that does not fit is refused here, before the server is up):
-    the workload's imports (transformers, TRL) load while the Prefect server starts."""
-    start_launch_agent(config, SFT.module)  # its imports run beside these
-    from trainflow.workloads.sft import check_names
+    """Scheduler and LoRA target names, the memory estimate (a run that does not fit is
+    refused) and the technique on the model built on the meta device, all before the server
+    is up. The launch's agent, started now, runs them once it has imported the workload
+    (transformers, TRL) for the ranks (`sft.check_ahead`): this process never imports them.
+    Without an agent (TRAINFLOW_STANDBY=0, remote ranks) they run here."""
+    ahead = start_launch_agent(
+        config, SFT.module, check=(f"{SFT.module}:check_ahead", config.model_dump(mode="json"))
+    )
+    import mlflow  # noqa: F401  (the run's tracking, loaded meanwhile)
 
-    plan_sft(config)  # the flow prints it when it starts
-    check_names(config)
-    import mlflow  # noqa: F401  (the run's tracking, loaded now rather than after the server)
+    outcome = ahead.check_outcome()
+    if outcome is None:
+        from trainflow.workloads.sft import check_ahead
+
+        outcome = {"value": check_ahead(config.model_dump(mode="json"))}
+    if "refused" in outcome:
+        raise ValueError(outcome["refused"])
+    if "failed" in outcome:
+        raise RuntimeError(f"checking the config in the launch agent failed:\n{outcome['failed']}")
+    found = outcome["value"]
+    remember_shape(config.model, config.tokenizer_path(), found["shape"])
+    for checked in found["checked"]:
+        record_checked_ahead(SFT.name, SFTConfig.model_validate(checked))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from trainflow.paths import RUN_CONFIG_FILE, STOP_FILE, read_run_config, run_out
 from trainflow.resources import check_cpu_oversubscription
 from trainflow.strategies.config import check_framework
 from trainflow.strategies.job import TrainResult, Workload
-from trainflow.workloads import Evaluation, WorkloadSpec
+from trainflow.workloads import Evaluation, WorkloadSpec, checked_ahead
 
 R = TypeVar("R", bound="PipelineResult")
 
@@ -207,6 +207,8 @@ def preflight(workload: WorkloadSpec, config: Any) -> None:
     plan = config.launch_plan()
     check_cpu_oversubscription(plan)
     check_framework(config.technique, workload.framework, device_type=plan.device)
+    if checked_ahead(workload.name, config):
+        return  # by the launch agent, with the workload's libraries loaded there
     check_config = getattr(workload.load(), "check_config", None)
     if check_config is not None:
         check_config(config)
@@ -225,6 +227,7 @@ def train(run: TrackedRun, config: Any) -> TrainResult:
         mlflow_run_id=run.run_id,
         # A relaunch (torch elastic restart, Prefect retry, --resume) continues from here.
         resume_from=str(checkpoints),
+        checked_ahead=checked_ahead(run.workload.name, config),
     )
     checkpoint.remove_partial(checkpoints)
     if (latest := checkpoint.latest_checkpoint(checkpoints)) is not None:
@@ -284,8 +287,14 @@ def _remove_stale_shared_memory() -> None:
 
 @task(name="evaluate", task_run_name="evaluate-{run.name}", cache_policy=NO_CACHE)
 def evaluate(run: TrackedRun, trained: TrainResult) -> Evaluation:
-    """Held-out metrics of the trained model, logged to the run."""
-    evaluation: Evaluation = run.workload.load().evaluate(run.job, trained)
+    """Held-out metrics of the trained model, logged to the run: the ones rank 0 computed
+    right after training when the workload's ranks evaluate (SFT), else computed here."""
+    if trained.evaluation is not None:
+        evaluation = Evaluation(
+            trained.evaluation.metrics, logged_model_uri=trained.evaluation.logged_model_uri
+        )
+    else:
+        evaluation = run.workload.load().evaluate(run.job, trained)
     tracking.log_metrics(run.run_id, evaluation.metrics)
     return evaluation
 
@@ -324,8 +333,12 @@ def _register_model(
     tags: dict[str, str],
     alias: str | None,
 ) -> str:
-    """Log the model to the run, add a registry version with `tags`, point `alias` at it."""
-    version: str = run.workload.load().log_model(run.job, evaluation, run.run_id, name, tags)
+    """Log the model to the run (unless rank 0 did), add a registry version with `tags`,
+    point `alias` at it."""
+    if evaluation.logged_model_uri is not None:
+        version = tracking.register_logged_model(evaluation.logged_model_uri, name, tags)
+    else:
+        version = run.workload.load().log_model(run.job, evaluation, run.run_id, name, tags)
     if alias:
         tracking.set_alias(name, version, alias)
     return version

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import psutil
@@ -127,8 +128,54 @@ def _preload(name: str) -> tuple[list[str], list[str]]:
     return done, failed
 
 
-def standby(log: str, preload: list[str]) -> int:
-    """Import `preload` now, then run the launch whose folder the caller writes to stdin.
+def _warm_up(preload: list[str]) -> None:
+    """Run the `RANK_WARMUPS` (module:function) of the preloaded modules: what their ranks
+    would build on first use, built once here for the ranks forked from this agent. A warm-up
+    that fails is reported and skipped: the ranks build it themselves."""
+    for name in preload:
+        module = sys.modules.get(name)
+        for ref in getattr(module, "RANK_WARMUPS", ()):
+            started = time.monotonic()
+            try:
+                owner, _, function = ref.partition(":")
+                getattr(importlib.import_module(owner), function)()
+            except Exception as exc:
+                print(f"standby agent: warm-up {ref} failed: {exc!r}", flush=True)
+            else:
+                took = time.monotonic() - started
+                print(f"standby agent: ran {ref} in {took:.1f}s", flush=True)
+
+
+def run_check(request: str) -> None:
+    """Run the check the caller asked for ahead, with the workload's libraries loaded here.
+
+    `request` is a JSON file: `function` (module:function, called with `argument`, a JSON
+    value) and `output`, where the outcome goes, written at once when complete: `value` (what
+    the check returned), `refused` (the message of the `ValueError` it raised: the config is
+    wrong) or `failed` (any other error's traceback).
+    """
+    try:
+        spec = json.loads(Path(request).read_text())
+    except (OSError, ValueError) as exc:  # the caller went on without it
+        print(f"standby agent: no check to run ({exc})", flush=True)
+        return
+    try:
+        module, _, name = spec["function"].partition(":")
+        value = getattr(importlib.import_module(module), name)(spec["argument"])
+        outcome: dict[str, object] = {"value": value}
+    except ValueError as exc:
+        outcome = {"refused": str(exc)}
+    except Exception:
+        outcome = {"failed": traceback.format_exc()}
+    output = Path(spec["output"])
+    partial = output.with_name(output.name + ".partial")
+    partial.write_text(json.dumps(outcome))
+    os.replace(partial, output)
+
+
+def standby(log: str, preload: list[str], check: str | None = None) -> int:
+    """Import `preload` now, run the caller's `check` (`run_check`), then run the launch whose
+    folder the caller writes to stdin.
 
     An import that fails here is left for the ranks, which raise it with their rank's context.
     Output so far (warnings of the imports) goes to the launch's agent log once it is known.
@@ -143,6 +190,9 @@ def standby(log: str, preload: list[str]) -> int:
             print(f"standby agent: could not import {failure}", flush=True)
     took = time.monotonic() - started
     print(f"standby agent: imported {', '.join(imported) or 'nothing'} in {took:.1f}s", flush=True)
+    if check is not None:
+        run_check(check)
+    _warm_up(preload)
     line = sys.stdin.readline().strip()
     if not line:
         return 0  # not needed after all
@@ -235,5 +285,8 @@ def _exit(code: int) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--standby":
+        # --standby LOG [--check REQUEST] MODULE...
+        if sys.argv[3:4] == ["--check"]:
+            _exit(standby(sys.argv[2], sys.argv[5:], check=sys.argv[4]))
         _exit(standby(sys.argv[2], sys.argv[3:]))
     _exit(main(sys.argv[1]))

@@ -15,9 +15,12 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal, NoReturn, TypeVar, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
+
+if TYPE_CHECKING:
+    from trainflow.launcher import AgentAhead
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -409,18 +412,20 @@ def preload(*modules: str, launch_module: str | None = None) -> Callable[[Any], 
     return load
 
 
-def start_launch_agent(config: Any, module: str) -> Callable[[], None]:
+def start_launch_agent(
+    config: Any, module: str, check: tuple[str, Any] | None = None
+) -> "AgentAhead":
     """Start the agent of the run's training launch now, importing the workload's `module`
     (`trainflow.launcher.standby`): ranks then start with it loaded. Not for runs that wait
     for rank slots (a sweep's trials). Returns the call that stops it if no launch used it;
-    `run_pipeline` also stops it if the run never launches."""
+    `run_pipeline` also stops it if the run never launches. `check` (`module:function`, a JSON
+    value) runs in the agent once its imports are done (`AgentAhead.check_outcome`)."""
+    from trainflow.launcher import AgentAhead, standby
     from trainflow.resources import Resources
 
     if not isinstance(config, Resources) or getattr(config, "gpu_pool", None) is not None:
-        return lambda: None
-    from trainflow.launcher import standby
-
-    return standby(config.launch_options(), [module])
+        return AgentAhead()
+    return standby(config.launch_options(), [module], check)
 
 
 def _usage_check(flow: Any, check: Callable[[Any], None] | None, config: Any) -> None:

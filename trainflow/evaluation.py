@@ -88,6 +88,7 @@ def evaluate_causal_lm(
     *,
     batch_size: int,
     max_new_tokens: int,
+    on_batch: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Answer-token loss, perplexity and exact match of `model` on held-out conversations.
 
@@ -98,6 +99,7 @@ def evaluate_causal_lm(
         masks: 1 on answer tokens per conversation (`assistant_masks`).
         batch_size: Conversations per forward pass.
         max_new_tokens: Longest generated answer.
+        on_batch: Called after each batch (a rank's heartbeat).
 
     Returns:
         `eval_loss`, `eval_perplexity` and `eval_exact_match` (share of answers reproduced).
@@ -112,6 +114,8 @@ def evaluate_causal_lm(
             model, tokenizer, [p for p, _ in pairs], [a for _, a in pairs], max_new_tokens
         )
         matches += sum(hits)
+        if on_batch is not None:
+            on_batch()
     mean = total_loss / max(total_tokens, 1)
     return {
         "eval_loss": mean,
@@ -128,6 +132,7 @@ def trained_vs_untrained(
     *,
     batch_size: int,
     max_new_tokens: int,
+    on_batch: Callable[[], None] | None = None,
 ) -> tuple[dict[str, float], PreTrainedModel, str]:
     """Score the untrained model (`untrained_*`), then the trained one (`eval_*`), on the same
     held-out conversations, and their loss ratio (`eval_loss_ratio`).
@@ -146,6 +151,7 @@ def trained_vs_untrained(
             held_out["assistant_masks"],
             batch_size=batch_size,
             max_new_tokens=max_new_tokens,
+            on_batch=on_batch,
         )
         metrics |= {k.replace("eval", prefix, 1): v for k, v in scores.items()}
     assert model is not None

@@ -808,19 +808,37 @@ class _Standby:
     process that started it, like any agent.
     """
 
-    def __init__(self, env: dict[str, str], start_method: str, preload: Sequence[str], python: str):
+    def __init__(
+        self,
+        env: dict[str, str],
+        start_method: str,
+        preload: Sequence[str],
+        python: str,
+        check: tuple[str, Any] | None = None,
+    ):
         self.env = env  # what the launch adds to the caller's environment
         self.python = python
         self.cwd = os.getcwd()
         self.start_method = start_method
         # Its output until a launch claims it (then it goes to that launch's agent log): in
         # the temp folder, as no launch folder exists yet.
-        fd, log_path = tempfile.mkstemp(prefix=f"trainflow-standby-{os.getpid()}-", suffix=".log")
+        prefix = f"trainflow-standby-{os.getpid()}-"
+        fd, log_path = tempfile.mkstemp(prefix=prefix, suffix=".log")
         os.close(fd)
         self.log = Path(log_path)
+        self.check = check
+        self.check_files: tuple[Path, Path] | None = None
+        checking: list[str] = []
+        if check is not None:
+            fd, request = tempfile.mkstemp(prefix=prefix, suffix=".check.json")
+            output = Path(request).with_suffix(".out")
+            with os.fdopen(fd, "w") as file:
+                json.dump({"function": check[0], "argument": check[1], "output": str(output)}, file)
+            self.check_files = (Path(request), output)
+            checking = ["--check", request]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [python, "-m", "trainflow._agent", "--standby", str(self.log), *preload],
+                [python, "-m", "trainflow._agent", "--standby", str(self.log), *checking, *preload],
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -847,6 +865,26 @@ class _Standby:
         self.proc.stdin.close()
         return self.proc
 
+    def check_outcome(self, poll_s: float = 0.05) -> dict[str, Any] | None:
+        """The outcome of the check this agent runs once its imports are done (see
+        `trainflow._agent.run_check`), waited for; None if the agent exited before it wrote
+        one (the caller then checks itself)."""
+        if self.check_files is None:
+            return None
+        request, output = self.check_files
+        while not output.exists():
+            if self.proc.poll() is not None and not output.exists():
+                return None
+            time.sleep(poll_s)
+        outcome: dict[str, Any] = json.loads(output.read_text())
+        self._remove_check_files()
+        return outcome
+
+    def _remove_check_files(self) -> None:
+        if self.check_files is not None:
+            for path in self.check_files:
+                path.unlink(missing_ok=True)
+
     def discard(self) -> None:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             with contextlib.suppress(OSError):
@@ -854,13 +892,44 @@ class _Standby:
         kill_process_group(self.proc.pid)
         self.proc.wait()
         self.log.unlink(missing_ok=True)
+        self._remove_check_files()
 
 
 _standbys: list[_Standby] = []
 _standbys_lock = threading.Lock()
 
 
-def standby(options: LaunchOptions, preload: Sequence[str] = ()) -> Callable[[], None]:
+class AgentAhead:
+    """What `standby` returns: call it to stop the agent if no launch has used it;
+    `check_outcome()` waits for the check it was asked to run ahead."""
+
+    def __init__(self, agent: _Standby | None = None, check: tuple[str, Any] | None = None):
+        self._agent = agent
+        self._check = check
+
+    def __call__(self) -> None:
+        agent = self._agent
+        if agent is None:
+            return
+        with _standbys_lock:
+            if agent not in _standbys:
+                return  # claimed
+            _standbys.remove(agent)
+        agent.discard()
+
+    def check_outcome(self) -> dict[str, Any] | None:
+        """The outcome of the check (`trainflow._agent.run_check`): `value`, `refused` or
+        `failed`. None when no agent ran it (none was started: a remote launch,
+        TRAINFLOW_STANDBY=0; an agent started earlier for another check; an agent that
+        exited first): the caller runs the check itself."""
+        if self._agent is None or self._check is None or self._agent.check != self._check:
+            return None
+        return self._agent.check_outcome()
+
+
+def standby(
+    options: LaunchOptions, preload: Sequence[str] = (), check: tuple[str, Any] | None = None
+) -> AgentAhead:
     """Start the agent of a launch with `options` now, importing `preload` (module names).
 
     The next `launch` with the same options in this process and working directory uses it
@@ -869,31 +938,28 @@ def standby(options: LaunchOptions, preload: Sequence[str] = ()) -> Callable[[],
     agent if no launch has used it (call it when the launch will not come, e.g. when the
     pipeline ends). Nothing happens for remote launches, or with TRAINFLOW_STANDBY=0.
 
+    `check`, (`module:function`, a JSON value): a check the agent runs once its imports are
+    done, before any launch claims it, where the workload's libraries are loaded (the model
+    built on the meta device, a config read with transformers): the caller's process need not
+    import them. `AgentAhead.check_outcome` gives what it found.
+
     A process that leads follower nodes (`trainflow.follow`) starts its launch board here for a
     multi-node launch, TRAINFLOW_STANDBY=0 or not: its followers wait for it.
     """
     if options.remote or ray_cluster_address(options.nnodes, options.ray_address):
-        return lambda: None  # the ranks run elsewhere
+        return AgentAhead()  # the ranks run elsewhere
     # A leader's followers wait for its launch board: it comes up with the pipeline.
     _launch_board(options)
     if os.environ.get(STANDBY_ENV) == "0":
-        return lambda: None
+        return AgentAhead()
     res = resolve_resources(options.gpus, options.gpu_type, options.nnodes)
     env, method, python = _launch_env(options, res), _start_method(res), interpreter(options)
     with _standbys_lock:
         agent = next((a for a in _standbys if a.fits(env, method, python)), None)
         if agent is None:
-            agent = _Standby(env, method, preload, python)
+            agent = _Standby(env, method, preload, python, check)
             _standbys.append(agent)
-
-    def discard() -> None:
-        with _standbys_lock:
-            if agent not in _standbys:
-                return  # claimed
-            _standbys.remove(agent)
-        agent.discard()
-
-    return discard
+    return AgentAhead(agent, check)
 
 
 def discard_standbys() -> None:

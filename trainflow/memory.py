@@ -206,6 +206,26 @@ def model_shape(name: str, tokenizer: str | None = None) -> ModelShape:
     """
     if name in KNOWN_MODELS:
         return KNOWN_MODELS[name]
+    if (name, tokenizer) in _read_shapes:
+        return _read_shapes[(name, tokenizer)]
+    shape = _read_shape(name, tokenizer)
+    remember_shape(name, tokenizer, shape)
+    return shape
+
+
+# Shapes read in this process, or handed to it by the process that read them (a launch's
+# standby agent, which has transformers loaded: `remember_shape`).
+_read_shapes: dict[tuple[str, str | None], ModelShape] = {}
+
+
+def remember_shape(name: str, tokenizer: str | None, shape: ModelShape | dict[str, Any]) -> None:
+    """`model_shape(name, tokenizer)` gives `shape` from now on in this process."""
+    _read_shapes[(name, tokenizer)] = (
+        shape if isinstance(shape, ModelShape) else ModelShape(**shape)
+    )
+
+
+def _read_shape(name: str, tokenizer: str | None) -> ModelShape:
     from trainflow.models.causal_lm import is_tiny
 
     if is_tiny(name):

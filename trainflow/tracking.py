@@ -123,6 +123,21 @@ class MlflowSink:
             operation.wait()
 
 
+def warm_model_logging() -> None:
+    """Build now what MLflow builds the first time a process logs a model with stated
+    requirements: a map of every installed distribution to the modules it provides (MLflow
+    checks the requirements against it), about 2.5 s with this project's environment on 2
+    cores. A launch's standby agent runs it while it waits for its launch (`RANK_WARMUPS`), so
+    that rank 0, forked from it, logs its model without building the map again. The map is
+    internal to MLflow: if it is not there, nothing is done."""
+    try:
+        from mlflow.utils import requirements_utils
+
+        requirements_utils._init_modules_to_packages_map()
+    except Exception:  # another MLflow: it builds the map itself when it logs
+        return
+
+
 PROGRESS_FILE = "progress.json"
 # What rank 0 imports once it logs its first metrics (`metrics_sink`): workloads list it in
 # their `RANK_IMPORTS`, so that a launch's standby agent imports it ahead of the ranks.
@@ -555,7 +570,32 @@ def register_transformers_model(
     checkpoint: str | Path | None = None,
     scratch_dir: str | Path | None = None,
 ) -> str:
-    """Log a causal LM as an MLflow `transformers` text-generation model, register and tag it.
+    """Log a causal LM to the run (`log_transformers_model`), register and tag it. Returns
+    the version."""
+    uri = log_transformers_model(
+        run_id,
+        model,
+        tokenizer,
+        input_example,
+        card,
+        checkpoint=checkpoint,
+        scratch_dir=scratch_dir,
+    )
+    return register_logged_model(uri, registered_model_name, tags)
+
+
+def log_transformers_model(
+    run_id: str,
+    model: Any,
+    tokenizer: Any,
+    input_example: str,
+    card: str = "",
+    *,
+    checkpoint: str | Path | None = None,
+    scratch_dir: str | Path | None = None,
+) -> str:
+    """Log a causal LM to run `run_id` as an MLflow `transformers` text-generation model;
+    returns its model URI (`register_logged_model` registers it).
 
     MLflow logs a saved checkpoint: given the model object instead, it would load what it
     saved once more and run it on `input_example` (twice the model in memory: minutes, or out
@@ -568,7 +608,7 @@ def register_transformers_model(
     the temp folder too. The signature (a prompt in, its generated text out), pip
     requirements (the installed versions of what the pipeline loads the model with), dtype
     and model card (from `card`, a markdown text) are given, not inferred or looked up on the
-    Hub. Returns the version.
+    Hub.
     """
     import tempfile
 
@@ -585,7 +625,7 @@ def register_transformers_model(
             if scratch_dir is not None:
                 Path(scratch_dir).mkdir(parents=True, exist_ok=True)
             folder = stack.enter_context(
-                tempfile.TemporaryDirectory(prefix=f"{registered_model_name}-", dir=scratch_dir)
+                tempfile.TemporaryDirectory(prefix="model-", dir=scratch_dir)
             )
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
@@ -606,9 +646,21 @@ def register_transformers_model(
             signature=ModelSignature(Schema([ColSpec("string")]), Schema([ColSpec("string")])),
             pip_requirements=pinned_requirements(*requirements),
             model_card=_model_card(card),
-            registered_model_name=registered_model_name,
         )
-    return _tag_version(registered_model_name, str(info.registered_model_version), tags)
+    return str(info.model_uri)
+
+
+def register_logged_model(
+    model_uri: str, registered_model_name: str, tags: Mapping[str, str]
+) -> str:
+    """Register a model already logged to a run (`model_uri`) as a new version of
+    `registered_model_name`, tagged with `tags`; returns the version. Only metadata moves."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    with store_lock():
+        version = mlflow.register_model(model_uri, registered_model_name)
+    return _tag_version(registered_model_name, str(version.version), tags)
 
 
 def child_runs(parent_run_id: str) -> dict[str, str]:

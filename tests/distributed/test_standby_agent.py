@@ -58,23 +58,35 @@ def test_a_launch_uses_the_agent_started_ahead_with_the_environment_of_the_launc
 
 
 def _rank_modules() -> dict:
-    return {"dependency": "ahead_dependency" in sys.modules}
+    warmed = sys.modules.get("ahead_dependency")
+    return {
+        "dependency": "ahead_dependency" in sys.modules,
+        "warmed": getattr(warmed, "WARMED", None),
+    }
 
 
 def test_the_agent_also_imports_what_the_module_lists_for_its_ranks(tmp_path, monkeypatch):
-    # A workload module names what its ranks import only once they run (`RANK_IMPORTS`); the
-    # agent imports those too, skipping what is not installed, and the ranks fork with them.
+    # A workload module names what its ranks import only once they run (`RANK_IMPORTS`), and
+    # what they would build on first use (`RANK_WARMUPS`); the agent imports and builds those
+    # too, skipping what is not installed or fails, and the ranks fork with them.
     (tmp_path / "ahead_workload.py").write_text(
         'RANK_IMPORTS = ("ahead_dependency", "no_such_distribution.sub")\n'
+        'RANK_WARMUPS = ("ahead_dependency:warm", "ahead_dependency:broken")\n'
     )
-    (tmp_path / "ahead_dependency.py").write_text("LOADED = True\n")
+    (tmp_path / "ahead_dependency.py").write_text(
+        "WARMED = None\n"
+        "def warm():\n    global WARMED\n    WARMED = 'in the agent'\n"
+        "def broken():\n    raise OSError('no cache here')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))  # the agent imports from the caller's path
     discard = standby(OPTIONS, ["ahead_workload"])
     result = launch(_rank_modules, options=OPTIONS, on_line=lambda r, line: None)
-    assert result.values == [{"dependency": True}, {"dependency": True}]
+    assert result.values == [{"dependency": True, "warmed": "in the agent"}] * 2
     agent_log = (result.run_dir / "agent.log").read_text()
     assert "standby agent: imported ahead_workload, ahead_dependency in" in agent_log
     assert "could not import" not in agent_log
+    assert "standby agent: ran ahead_dependency:warm in" in agent_log
+    assert "warm-up ahead_dependency:broken failed: OSError('no cache here')" in agent_log
     discard()
 
 
@@ -134,3 +146,32 @@ def test_a_listed_module_that_fails_to_import_is_named_and_the_rest_still_load(
         [],
         ["listing_missing: ModuleNotFoundError(\"No module named 'listing_missing'\")"],
     )
+
+
+def test_the_agent_runs_the_check_it_is_given_once_its_imports_are_done_then_the_launch():
+    agent = standby(OPTIONS, ["tests.unit.conftest_data"], check=("json:loads", "[1, 2]"))
+    assert agent.check_outcome() == {"value": [1, 2]}
+    result = launch(_what_the_rank_sees, options=OPTIONS, on_line=lambda r, line: None)
+    assert [v["preloaded"] for v in result.values] == [True, True]  # the same agent ran it
+    agent()
+    assert not list(Path(tempfile.gettempdir()).glob(f"trainflow-standby-{os.getpid()}-*"))
+
+
+def test_a_check_that_refuses_the_config_says_why_and_one_that_breaks_gives_its_traceback():
+    refused = standby(OPTIONS, [], check=("json:loads", "not json"))
+    assert refused.check_outcome() == {"refused": "Expecting value: line 1 column 1 (char 0)"}
+    refused()  # another check needs an agent of its own
+    broken = standby(OPTIONS, [], check=("math:sqrt", "four"))
+    outcome = broken.check_outcome()
+    assert list(outcome) == ["failed"]
+    assert "TypeError: must be real number, not str" in outcome["failed"]
+    broken()
+    assert _standby_pids() == []
+    assert not list(Path(tempfile.gettempdir()).glob(f"trainflow-standby-{os.getpid()}-*"))
+
+
+def test_without_an_agent_the_caller_is_told_to_check_itself(monkeypatch):
+    monkeypatch.setenv("TRAINFLOW_STANDBY", "0")
+    ahead = standby(OPTIONS, [], check=("json:loads", "[1]"))
+    assert ahead.check_outcome() is None and _standby_pids() == []
+    ahead()

@@ -100,6 +100,40 @@ def test_pipeline_registers_with_lineage_and_gates_the_alias(
     assert "system/cpu_utilization_percentage" in run.data.metrics
 
 
+def test_the_pipeline_process_loads_no_model_and_imports_no_training_stack(prefect_api):
+    """The checks that need transformers run in the launch's agent, which imports it for the
+    ranks anyway, and rank 0 evaluates and logs the model after training: the process that
+    runs the flow only registers what rank 0 logged. (Preparing data that is not cached yet
+    imports the data stack; here it is prepared first, as for any run after the first.)"""
+    from trainflow.configs.sft import load_sft_preset
+    from trainflow.data import prepare_dataset
+
+    prepare_dataset(load_sft_preset("debug_cpu").data_config())
+    args = [*SHORT, "--registered-model-name", "sft-light"]
+    code = (
+        "import sys\n"
+        "from flows import sft\n"
+        f"result = sft.main({args!r})\n"
+        "heavy = ('torch', 'transformers', 'trl', 'datasets', 'streaming')\n"
+        "print('HEAVY', sorted(m for m in heavy if m in sys.modules))\n"
+        "print('RUN', result.mlflow_run_id)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = dict(
+        line.split(" ", 1) for line in out.stdout.splitlines() if line[:4] in ("HEAV", "RUN ")
+    )
+    assert said["HEAVY"] == "[]"
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    version = client.get_model_version("sft-light", "1")
+    assert version.run_id == said["RUN"] and version.source.startswith("models:/m-")
+    logged = client.get_logged_model(version.source.removeprefix("models:/"))
+    assert logged.source_run_id == said["RUN"]
+    assert client.get_run(said["RUN"]).data.metrics["eval_loss"] > 0
+
+
 def _a_rank(caller: psutil.Process) -> psutil.Process | None:
     """A training rank: a child of the launch agent (the agent runs in its own session)."""
     for proc in caller.children(recursive=True):

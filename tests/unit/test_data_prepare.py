@@ -89,7 +89,7 @@ def test_second_run_is_a_cache_hit_that_does_no_work(tmp_path, caplog, monkeypat
     def must_not_load(*_):
         raise AssertionError("a cache hit must not read the source")
 
-    monkeypatch.setattr("trainflow.data.prepare.load_source", must_not_load)
+    monkeypatch.setattr("trainflow.data.sources.load_source", must_not_load)
     with caplog.at_level(logging.INFO, logger="trainflow.data"):
         second = prepare_dataset(config)
     assert not first.cache_hit and second.cache_hit

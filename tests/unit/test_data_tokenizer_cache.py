@@ -4,9 +4,9 @@ import json
 import shutil
 
 import pytest
+from transformers import AutoTokenizer
 
 from tests.unit.conftest_data import TOKENIZER
-from trainflow.data import tokenizer
 from trainflow.data.tokenizer import load_tokenizer
 
 
@@ -14,13 +14,13 @@ from trainflow.data.tokenizer import load_tokenizer
 def parses(monkeypatch):
     """Count the tokenizer files parsed by `from_pretrained`."""
     calls: list[str] = []
-    original = tokenizer.AutoTokenizer.from_pretrained
+    original = AutoTokenizer.from_pretrained
 
     def counting(name_or_path, *args, **kwargs):
         calls.append(name_or_path)
         return original(name_or_path, *args, **kwargs)
 
-    monkeypatch.setattr(tokenizer.AutoTokenizer, "from_pretrained", counting)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", counting)
     return calls
 
 

@@ -54,3 +54,27 @@ def test_values_skipping_streaming_checks_pass_them():
     assert all(is_compression(c) for c in config.KNOWN_COMPRESSIONS)
     assert config.KNOWN_HASHES.issubset(get_hashes())
     assert all(0 < bytes_to_int(s) < 2**32 for s in config.KNOWN_SHARD_SIZES)
+
+
+def test_finding_a_published_dataset_and_naming_a_workload_import_no_heavy_modules():
+    """A pipeline's process looks its cached dataset up and hands the ranks their workload
+    without torch or the data stack: the ranks, not it, import them."""
+    code = (
+        "import sys\n"
+        "from trainflow.data import load_preset\n"
+        "from trainflow.data.prepare import find_published\n"
+        "from trainflow.strategies.job import Workload\n"
+        "from trainflow.configs.sft import load_sft_preset\n"
+        "print(find_published(load_preset('instructions').model_copy("
+        f"update={{'output_root': {str(REPO_ROOT / 'no-such-root')!r}}})))\n"
+        "Workload(train_fn='trainflow.workloads.sft:train', "
+        "model_fn='trainflow.workloads.sft:build_model', "
+        "config=load_sft_preset('debug_cpu'), output_dir='out')\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT
+    )
+    found, loaded = out.stdout.strip().splitlines()
+    assert found == "None"
+    assert loaded == "[]", f"finding a dataset or naming a workload imported {loaded}"

@@ -189,3 +189,53 @@ def test_resume_picks_the_latest_complete_checkpoint(tmp_path):
     assert checkpoint.resolve(latest) == latest
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         checkpoint.read_meta(tmp_path / "step_000010")
+
+
+def test_workload_functions_are_imported_when_called_and_travel_by_path():
+    import pickle
+
+    import cloudpickle
+
+    workload = Workload(
+        train_fn="trainflow.workloads.mlp:train",
+        model_fn="tests.unit.test_strategies.build_mlp",  # pydantic's dotted form works too
+        config=mlp.MLPConfig(),
+        output_dir="out",
+    )
+    assert workload.model_dump(mode="json")["model_fn"] == "tests.unit.test_strategies:build_mlp"
+    assert isinstance(workload.model_fn(mlp.MLPConfig()), SimpleMLP)
+    assert workload.train_fn.resolve() is mlp.train
+    copy = pickle.loads(pickle.dumps(workload))
+    assert copy == workload and copy.train_fn.resolve() is mlp.train
+
+    def local_model(config):  # not importable: travels as itself
+        return build_mlp(config)
+
+    given = Workload(
+        train_fn=mlp.train, model_fn=local_model, config=mlp.MLPConfig(), output_dir="o"
+    )
+    assert given.train_fn.path == "trainflow.workloads.mlp:train"
+    moved = cloudpickle.loads(cloudpickle.dumps(given))
+    assert isinstance(moved.model_fn(mlp.MLPConfig()), SimpleMLP)
+    with pytest.raises(ValidationError, match="module:function"):
+        Workload(train_fn="train", model_fn=build_mlp, config=mlp.MLPConfig(), output_dir="o")
+
+
+def test_a_workload_checked_ahead_is_not_built_again_before_launch(tmp_path):
+    def must_not_build(config):
+        raise AssertionError("built again")
+
+    workload = Workload(
+        train_fn=mlp.train,
+        model_fn=must_not_build,
+        config=mlp.MLPConfig(),
+        output_dir=str(tmp_path),
+        checked_ahead=True,
+    )
+    check_before_launch(workload, DDPConfig(), Resources(gpus=2, gpu_type="cpu"))
+    with pytest.raises(AssertionError, match="built again"):
+        check_before_launch(
+            workload.model_copy(update={"checked_ahead": False}),
+            DDPConfig(),
+            Resources(gpus=2, gpu_type="cpu"),
+        )

@@ -397,6 +397,11 @@ class SFTJob(_Model):
 
     config: SFTConfig = Field(description="The pipeline's config.")
     data: PreparedDataset = Field(description="Prepared MDS dataset (train and validation).")
+    evaluate_on_ranks: bool = Field(
+        default=False,
+        description="After training, rank 0 evaluates the trained model (on its device) and "
+        "logs it to the MLflow run; the pipeline then registers it without loading it.",
+    )
 
 
 def sft_gate_failures(settings: EvaluationSettings, metrics: dict[str, float]) -> list[str]:

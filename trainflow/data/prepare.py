@@ -16,13 +16,7 @@ import multiprocessing
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
-
-import datasets
-import numpy as np
-import pyarrow as pa
-from streaming import MDSWriter
-from streaming.base.util import merge_index
+from typing import TYPE_CHECKING, Any
 
 from trainflow.data.config import (
     ChatTransform,
@@ -32,7 +26,7 @@ from trainflow.data.config import (
     TextTransform,
 )
 from trainflow.data.paths import default_datasets_root, join_uri
-from trainflow.data.sources import load_source, source_fingerprint
+from trainflow.data.sources import source_fingerprint
 from trainflow.data.store import (
     FORMAT_VERSION,
     Out,
@@ -41,8 +35,11 @@ from trainflow.data.store import (
     publishing,
     read_manifest,
 )
-from trainflow.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-from trainflow.data.transforms import apply_transform, num_processes, output_columns
+from trainflow.data.tokenizer import tokenizer_fingerprint
+
+if TYPE_CHECKING:  # building imports them; finding a published dataset does not
+    import datasets
+    import pyarrow as pa
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +105,14 @@ def _result(uri: str, manifest: dict[str, Any], cache_hit: bool) -> PreparedData
     )
 
 
-def _column_values(table: pa.Table, column: str, encoding: str) -> Sequence[Any]:
+def _column_values(table: "pa.Table", column: str, encoding: str) -> Sequence[Any]:
     """One column of `table` as the values `MDSWriter` encodes, one per row.
 
     Lists become numpy views of the declared dtype into one flat buffer (no per-row Python
     lists), numbers numpy scalars, text, bytes and json Python objects.
     """
+    import numpy as np
+
     chunked = table.column(column)
     if encoding.startswith("ndarray:"):
         lists = chunked.combine_chunks()
@@ -127,8 +126,10 @@ def _column_values(table: pa.Table, column: str, encoding: str) -> Sequence[Any]
     return chunked.to_numpy()
 
 
-def _write_part(ds: datasets.Dataset, columns: dict[str, str], out: Out, options: Any) -> None:
+def _write_part(ds: "datasets.Dataset", columns: dict[str, str], out: Out, options: Any) -> None:
     """Write `ds`'s rows, in order, as one MDS dataset at `out` (runs in a writer process)."""
+    from streaming import MDSWriter
+
     with MDSWriter(out=out, columns=columns, keep_local=True, exist_ok=True, **options) as writer:
         for table in ds.with_format("arrow").iter(batch_size=_WRITE_BATCH):
             values = [_column_values(table, c, t) for c, t in columns.items()]
@@ -139,7 +140,7 @@ def _write_part(ds: datasets.Dataset, columns: dict[str, str], out: Out, options
 def _write_split(
     publication: Publication,
     split: str,
-    ds: datasets.Dataset,
+    ds: "datasets.Dataset",
     columns: dict[str, str],
     config: DataConfig,
 ) -> None:
@@ -150,6 +151,10 @@ def _write_split(
     order, so readers see the same samples in the same order as from one writer. A writer that
     fails or dies fails the whole split, and nothing is published.
     """
+    from streaming.base.util import merge_index
+
+    from trainflow.data.transforms import num_processes
+
     options = {
         "compression": config.compression,
         "hashes": config.hashes,
@@ -210,6 +215,10 @@ def prepare_dataset(config: DataConfig, fingerprint: str | None = None) -> Prepa
     if manifest is not None and manifest.get("fingerprint") == fingerprint:
         logger.info("cache hit: %s is already published; nothing to do", uri)
         return _result(uri, manifest, cache_hit=True)
+
+    from trainflow.data.sources import load_source
+    from trainflow.data.tokenizer import load_tokenizer
+    from trainflow.data.transforms import apply_transform, output_columns
 
     tokenizer = None
     if isinstance(config.transform, TextTransform | ChatTransform):

@@ -3,13 +3,15 @@
 import hashlib
 from functools import lru_cache
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from trainflow.data.checks import check_files
 from trainflow.data.config import DataConfig, FileSource, HubSource, ValidationSplit
 from trainflow.data.errors import DataError
 from trainflow.data.paths import hf_cache_dir
+
+if TYPE_CHECKING:  # loading imports it; fingerprinting a source does not
+    import datasets
 
 
 @lru_cache(maxsize=256)
@@ -58,7 +60,7 @@ def _describe(source: FileSource | HubSource, split: str) -> str:
     return f"split {split!r} of hub dataset {source.name!r}"
 
 
-def load_source(config: DataConfig) -> datasets.DatasetDict:
+def load_source(config: DataConfig) -> "datasets.DatasetDict":
     """Load the source, keep the configured splits and carve the validation split.
 
     Args:
@@ -71,6 +73,8 @@ def load_source(config: DataConfig) -> datasets.DatasetDict:
         DataError: If the files cannot be parsed, a split is missing or a split is empty; the
             message names the split and its files.
     """
+    import datasets
+
     source = config.source
     cache = str(hf_cache_dir())
     check_files(config)
@@ -102,7 +106,7 @@ def load_source(config: DataConfig) -> datasets.DatasetDict:
 
 
 def _carve(
-    loaded: datasets.DatasetDict, val: ValidationSplit, field: str, source: FileSource | HubSource
+    loaded: "datasets.DatasetDict", val: ValidationSplit, field: str, source: FileSource | HubSource
 ) -> None:
     """Move `val.fraction` of `val.from_split` into the new split `val.name`, in place: at
     random, or the rows last in `val.order_column` (nothing later is left behind)."""

@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from streaming.base.storage import CloudDownloader
-from streaming.base.storage.upload import CloudUploader
 
 from trainflow.data.errors import DataError
 from trainflow.data.paths import is_remote, join_uri
@@ -70,6 +68,8 @@ def read_manifest(uri: str) -> dict[str, Any] | None:
     if not is_remote(uri):
         path = Path(uri) / MANIFEST
         return json.loads(path.read_text()) if path.is_file() else None
+    from streaming.base.storage import CloudDownloader  # imports torch: only for remote stores
+
     with tempfile.TemporaryDirectory() as scratch:
         local = os.path.join(scratch, MANIFEST)
         try:
@@ -87,6 +87,8 @@ def read_index(uri: str, split: str) -> bytes | None:
     if not is_remote(uri):
         path = Path(uri) / name
         return path.read_bytes() if path.is_file() else None
+    from streaming.base.storage import CloudDownloader
+
     with tempfile.TemporaryDirectory() as scratch:
         local = os.path.join(scratch, "index.json")
         try:
@@ -144,6 +146,8 @@ def publishing(uri: str, manifest: dict[str, Any]) -> Iterator[Publication]:
         try:
             yield Publication(uri, scratch)
             (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+            from streaming.base.storage.upload import CloudUploader
+
             uploader = CloudUploader.get((str(scratch), uri), keep_local=True, exist_ok=True)
             uploader.upload_file(MANIFEST)
         finally:

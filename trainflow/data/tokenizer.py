@@ -11,10 +11,12 @@ import functools
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from trainflow.data.errors import DataError
+
+if TYPE_CHECKING:  # loading a tokenizer imports transformers; fingerprinting one does not
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
@@ -36,7 +38,7 @@ CHAT_TEMPLATE = (
 
 def load_tokenizer(
     name_or_path: str, *, need_chat_template: bool = False
-) -> PreTrainedTokenizerBase:
+) -> "PreTrainedTokenizerBase":
     """Load a fast tokenizer from a local directory or a Hub model id.
 
     A run loads the same tokenizer several times, so each process parses it once (per local
@@ -83,8 +85,10 @@ def _directory_stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
 @functools.lru_cache(maxsize=8)
 def _parsed_tokenizer(
     name_or_path: str, _stamp: tuple[tuple[str, int, int], ...]
-) -> PreTrainedTokenizerBase:
+) -> "PreTrainedTokenizerBase":
     """The parsed tokenizer, shared within the process: `load_tokenizer` hands out copies."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(name_or_path)
 
 
@@ -109,7 +113,7 @@ def tokenizer_fingerprint(name_or_path: str) -> str:
     return f"hub:{name_or_path}@{sha}"
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> "PreTrainedTokenizerFast":
     """Train a byte-level BPE tokenizer with chat template on `texts` (deterministic).
 
     Args:
@@ -120,6 +124,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         A `PreTrainedTokenizerFast` ready to `save_pretrained`.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
 
     specials = [PAD, BOS, EOS, *ROLE_TOKENS.values()]
     bpe = Tokenizer(models.BPE())

@@ -8,6 +8,11 @@ torch (no Prefect):
     evaluate(job, trained) -> Evaluation       # held-out metrics, the trained model loaded once
     log_model(job, evaluation, run_id, name, tags) -> str   # MLflow version
 
+A workload whose ranks evaluate and log the model themselves, after training, returns the
+metrics and the logged model in `TrainResult.evaluation`; the pipeline then only registers it
+(SFT does: the pipeline's process never loads the model). One whose checks need its libraries
+can have a launch's standby agent run them ahead (`record_checked_ahead`).
+
 `job` is the workload's config, or a model carrying it with what the pipeline prepared (the
 SFT job adds its dataset). Adding a workload: that module, its config, one line in `WORKLOADS`,
 a flow in `flows/` and its `prefect.yaml` entries.
@@ -65,6 +70,24 @@ class Evaluation:
     model: Any = field(default=None, repr=False)
     input_example: Any = field(default=None, repr=False)
     model_dir: Path | None = None
+    logged_model_uri: str | None = None  # already logged to the run (by rank 0): register it
+
+
+# Configs whose workload checks (the ones needing its libraries) passed ahead, in the process
+# that had them loaded: a launch's standby agent (`trainflow.launcher.standby`).
+_checked_ahead: set[tuple[str, str]] = set()
+
+
+def record_checked_ahead(workload: str, config: Any) -> None:
+    """`config` passed `workload`'s checks ahead (its `check_config`, and the technique on its
+    model built on the meta device): this process need not import the workload to run them
+    again (`checked_ahead`)."""
+    _checked_ahead.add((workload, config.model_dump_json()))
+
+
+def checked_ahead(workload: str, config: Any) -> bool:
+    """Whether `config`, exactly, passed `workload`'s checks ahead (`record_checked_ahead`)."""
+    return (workload, config.model_dump_json()) in _checked_ahead
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {

@@ -12,6 +12,7 @@ gathers the split, and nothing shards it a second time.
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +39,15 @@ from trainflow.efficiency import EfficiencyMeter, batch_work, matmul_params, tra
 from trainflow.models.causal_lm import build_causal_lm
 from trainflow.strategies import Strategy, TechniqueConfig, build_strategy
 from trainflow.strategies.base import gather_full_state_dict
-from trainflow.strategies.job import TrainResult, local_path
+from trainflow.strategies.job import RankEvaluation, TrainResult, check_technique, local_path
 from trainflow.tracking import (
     PROGRESS_FILE,
     SINK_IMPORTS,
     MetricsSink,
     ProgressFile,
+    log_transformers_model,
     metrics_sink,
-    register_transformers_model,
+    register_logged_model,
     registrable_as_is,
 )
 from trainflow.workloads import Evaluation
@@ -59,6 +61,7 @@ __all__ = [
     "SFTJob",
     "TrainingSettings",
     "build_model",
+    "check_ahead",
     "check_config",
     "evaluate",
     "gate_failures",
@@ -75,6 +78,8 @@ __all__ = [
 # ahead (`trainflow._agent`), once, for ranks forked from it. Accelerate imports DeepSpeed
 # whenever it is installed (to unwrap the trained model for saving), whatever the technique.
 RANK_IMPORTS = ("trl.trainer.sft_trainer", "trainflow.data.loader", *SINK_IMPORTS, "deepspeed")
+# Run by that agent while it waits for its launch: rank 0 logs the model after training.
+RANK_WARMUPS = ("trainflow.tracking:warm_model_logging",)
 
 
 def build_model(job: SFTJob) -> PreTrainedModel:
@@ -132,26 +137,85 @@ def check_names(config: SFTConfig) -> None:
                 )
 
 
+def check_ahead(config: dict[str, Any]) -> dict[str, Any]:
+    """Every check of `config` that needs this module's libraries, in one call: for a launch's
+    standby agent to run while the pipeline's process starts, which then need not import them
+    (`trainflow.launcher.standby`). The names (`check_config`), the memory plan (a run that
+    does not fit is refused) and the technique on the model built on the meta device, for the
+    technique the plan chose.
+
+    Returns the model's shape, for the pipeline's own memory plan, and the configs checked:
+    the one given and the one with its technique resolved (`technique: auto`).
+
+    Raises:
+        ValueError: naming the option, file or model that is wrong (`MemoryFitError` too).
+    """
+    from dataclasses import asdict
+
+    from trainflow.memory import plan_sft
+
+    given = SFTConfig.model_validate(config)
+    check_config(given)
+    plan = plan_sft(given)
+    resolved = given.with_technique(plan.technique)
+    tokenizer = load_tokenizer(resolved.tokenizer_path())
+    check_technique(
+        lambda: build_causal_lm(resolved.model, tokenizer, seed=0, pretrained=False),
+        resolved.technique,
+        resolved.resources,
+        "hf",
+    )
+    checked = [given.model_dump(mode="json"), resolved.model_dump(mode="json")]
+    return {"shape": asdict(plan.shape), "checked": checked}
+
+
 def read_split(uri: str, split: str, limit: int | None = None) -> dict[str, list[list[int]]]:
     """A prepared split, whole, in id order: `input_ids` and `assistant_masks` lists.
 
     For evaluation in the orchestrating process (one reader, no process group); training
-    ranks stream their own partitions instead (`train_loader`).
+    ranks stream their own partitions instead (`train_loader`), and gather a split with
+    `gather_split`.
 
     Args:
         uri: Published dataset (`PreparedDataset.uri`).
         split: Split name, e.g. 'validation'.
         limit: Keep the first `limit` rows by id.
     """
+    return _in_id_order(_split_rows(uri, split), limit)
+
+
+def gather_split(uri: str, split: str, limit: int | None = None) -> dict[str, list[list[int]]]:
+    """`read_split` for ranks: each reads its own partition (the dataset is partitioned by the
+    launcher's ranks) and rank 0 receives them all; other ranks get an empty split. Every
+    rank must call it, together."""
+    import torch.distributed as dist
+
+    rows = _split_rows(uri, split)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return _in_id_order(rows, limit)
+    parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(rows, parts, dst=0)
+    if parts is None:
+        return {"input_ids": [], "assistant_masks": []}
+    # A partition may repeat a row to even out the ranks' shares: keyed by id, it counts once.
+    return _in_id_order({i: row for part in parts for i, row in part.items()}, limit)
+
+
+def _split_rows(uri: str, split: str) -> dict[int, tuple[list[int], list[int]]]:
     from trainflow.data import LoaderConfig, build_dataloader
 
     read_all = LoaderConfig.model_validate({"batch_size": 256, "shuffle": False})
     loader = build_dataloader(uri, split, read_all, collate_fn=list)
-    rows = {
+    return {
         int(s["id"]): (s["input_ids"].tolist(), s["assistant_masks"].tolist())
         for batch in loader
         for s in batch
     }
+
+
+def _in_id_order(
+    rows: dict[int, tuple[list[int], list[int]]], limit: int | None
+) -> dict[str, list[list[int]]]:
     ids = sorted(rows)[:limit]
     return {
         "input_ids": [rows[i][0] for i in ids],
@@ -715,7 +779,7 @@ def train(
         _save_sharded(trainer, model, peft_config, trained_model_dir(out))
     else:
         trainer.save_model(str(trained_model_dir(out)))
-    return TrainResult(
+    result = TrainResult(
         technique=strategy.name,
         world_size=runtime.get_world_size(),
         wrapped_as=wrapped_as,
@@ -725,6 +789,46 @@ def train(
         checkpoint_uri=checkpoint.uri(checkpoint.latest_checkpoint(checkpoints_dir(out))),
         model_uri=trained_model_dir(out).resolve().as_uri(),
     )
+    if job.evaluate_on_ranks and mlflow_run_id is not None:
+        del trainer, model, loader  # the optimizer's state and the training copy go first
+        _release_memory(strategy.device)
+        e = config.evaluation
+        held_out = gather_split(job.data.uri, "validation", e.num_samples)  # every rank reads
+        if runtime.is_rank_zero():
+            result.evaluation = evaluate_and_log(
+                job, result, mlflow_run_id, held_out, strategy.device
+            )
+    return result
+
+
+def _release_memory(device: Any) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def evaluate_and_log(
+    job: SFTJob,
+    trained: TrainResult,
+    run_id: str,
+    held_out: dict[str, list[list[int]]],
+    device: Any = None,
+) -> RankEvaluation:
+    """On rank 0, right after training: the held-out metrics (`evaluate` on `held_out`, on
+    `device`) and the trained model logged to the MLflow run (`log_model`'s model, card and
+    signature), for the pipeline to register without loading it. Saying it is alive after
+    each batch, for the launcher's hang watchdog."""
+    step = trained.steps
+    evaluation = evaluate(
+        job, trained, device=device, on_batch=lambda: runtime.heartbeat(step), held_out=held_out
+    )
+    tags = {"mlflow_run_id": run_id, "dataset_fingerprint": job.data.fingerprint}
+    uri = _log(job, evaluation, run_id, tags)
+    return RankEvaluation(metrics=evaluation.metrics, logged_model_uri=uri)
 
 
 def load_model(config: SFTConfig, output_dir: str | Path, *, trained: bool) -> PreTrainedModel:
@@ -750,23 +854,38 @@ def load_model(config: SFTConfig, output_dir: str | Path, *, trained: bool) -> P
     return model.eval()
 
 
-def evaluate(job: SFTJob, trained: TrainResult) -> Evaluation:
+def evaluate(
+    job: SFTJob,
+    trained: TrainResult,
+    *,
+    device: Any = None,
+    on_batch: Callable[[], None] | None = None,
+    held_out: dict[str, list[list[int]]] | None = None,
+) -> Evaluation:
     """Held-out metrics of the trained model (`eval_*`) and of the untrained one (`untrained_*`).
 
     The trained model is loaded once here and kept in the result for registration, with the
-    first held-out prompt as its input example, and the folder it was loaded from.
+    first held-out prompt as its input example, and the folder it was loaded from. Models
+    are evaluated on `device` (default: where they load, the CPU), on `held_out` (default:
+    the validation split, read here).
     """
     from trainflow.evaluation import trained_vs_untrained
 
     config, output_dir = job.config, local_path(trained.model_uri).parent
     e = config.evaluation
+
+    def load(trained: bool) -> PreTrainedModel:
+        model = load_model(config, output_dir, trained=trained)
+        return model if device is None else model.to(device)
+
     metrics, model, example = trained_vs_untrained(
-        lambda: load_model(config, output_dir, trained=False),
-        lambda: load_model(config, output_dir, trained=True),
+        lambda: load(trained=False),
+        lambda: load(trained=True),
         load_tokenizer(config.tokenizer_path()),
-        read_split(job.data.uri, "validation", e.num_samples),
+        held_out if held_out is not None else read_split(job.data.uri, "validation", e.num_samples),
         batch_size=e.batch_size,
         max_new_tokens=e.max_new_tokens,
+        on_batch=on_batch,
     )
     return Evaluation(
         metrics, model, input_example=example, model_dir=trained_model_dir(output_dir)
@@ -778,18 +897,21 @@ def log_model(
 ) -> str:
     """Log the trained model (LoRA merged) with `mlflow.transformers` and register it: a full
     fine-tune's folder as it is, a merged adapter saved once beside it (in the run's folder)."""
-    tokenizer = load_tokenizer(job.config.tokenizer_path())
+    return register_logged_model(_log(job, evaluation, run_id, tags), name, tags)
+
+
+def _log(job: SFTJob, evaluation: Evaluation, run_id: str, tags: dict[str, str]) -> str:
+    """The evaluated model logged to the run, with its card; returns its model URI."""
     folder = evaluation.model_dir
     assert folder is not None, "sft.evaluate gives the folder the model was loaded from"
-    return register_transformers_model(
+    model = evaluation.model
+    return log_transformers_model(
         run_id,
-        evaluation.model,
-        tokenizer,
-        name,
+        model,
+        load_tokenizer(job.config.tokenizer_path()),
         evaluation.input_example,
-        tags,
         card=model_card(job.config, evaluation.metrics, tags),
-        checkpoint=folder if registrable_as_is(folder, evaluation.model) else None,
+        checkpoint=folder if registrable_as_is(folder, model) else None,
         scratch_dir=folder.parent,
     )
 
