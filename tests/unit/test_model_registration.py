@@ -111,3 +111,21 @@ def test_a_model_without_a_folder_is_saved_in_the_scratch_folder_and_removed(tmp
         tracking.register_transformers_model(
             run_id, model, tokenizer, "tiny-scratch", "Hi", {}, checkpoint=tmp_path / "empty"
         )
+
+
+def test_a_model_too_big_for_the_gpu_is_evaluated_on_the_cpu_mocked_gpu(monkeypatch, capsys):
+    """Rank 0 evaluates on its GPU; a model that does not fit there (a GPU is mocked: moving
+    to it raises CUDA's out-of-memory error) is evaluated where it was loaded."""
+    model = torch.nn.Linear(2, 2)
+    moved_to: list[str] = []
+
+    def to(device, *args, **kwargs):
+        moved_to.append(str(device))
+        if str(device).startswith("cuda"):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return model
+
+    monkeypatch.setattr(model, "to", to)
+    assert sft._onto(model, torch.device("cuda", 0)) is model
+    assert moved_to == ["cuda:0", "cpu"]
+    assert "does not fit cuda:0 for evaluation: evaluating on the CPU" in capsys.readouterr().out

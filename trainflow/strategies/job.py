@@ -56,7 +56,11 @@ class FunctionRef:
         if isinstance(value, str):
             return cls(value if ":" in value else _colon_path(value))
         if callable(value):
-            return cls(f"{value.__module__}:{value.__qualname__}", value)
+            # A callable object without a name of its own (a `functools.partial`) cannot be
+            # imported by path either: it travels as itself.
+            module = getattr(value, "__module__", None) or "__main__"
+            name = getattr(value, "__qualname__", None) or f"<locals>.{type(value).__name__}"
+            return cls(f"{module}:{name}", value)
         raise ValueError(f"expected a function or its import path, got {value!r}")
 
     def resolve(self) -> Callable[..., Any]:

@@ -876,7 +876,7 @@ def evaluate(
 
     def load(trained: bool) -> PreTrainedModel:
         model = load_model(config, output_dir, trained=trained)
-        return model if device is None else model.to(device)
+        return model if device is None else _onto(model, device)
 
     metrics, model, example = trained_vs_untrained(
         lambda: load(trained=False),
@@ -890,6 +890,21 @@ def evaluate(
     return Evaluation(
         metrics, model, input_example=example, model_dir=trained_model_dir(output_dir)
     )
+
+
+def _onto(model: PreTrainedModel, device: Any) -> PreTrainedModel:
+    """`model` on `device`; on the CPU, where it was loaded, if it does not fit the GPU."""
+    import torch
+
+    if device.type != "cuda":
+        return model.to(device)
+    try:
+        return model.to(device)
+    except torch.cuda.OutOfMemoryError:
+        model.to("cpu")
+        torch.cuda.empty_cache()
+        print(f"the model does not fit {device} for evaluation: evaluating on the CPU")
+        return model
 
 
 def log_model(
