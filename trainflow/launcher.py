@@ -828,6 +828,7 @@ class _Standby:
         self.log = Path(log_path)
         self.check = check
         self.check_files: tuple[Path, Path] | None = None
+        self.outcome: dict[str, Any] | None = None  # once read
         checking: list[str] = []
         if check is not None:
             fd, request = tempfile.mkstemp(prefix=prefix, suffix=".check.json")
@@ -869,16 +870,16 @@ class _Standby:
         """The outcome of the check this agent runs once its imports are done (see
         `trainflow._agent.run_check`), waited for; None if the agent exited before it wrote
         one (the caller then checks itself)."""
-        if self.check_files is None:
-            return None
+        if self.check_files is None or self.outcome is not None:
+            return self.outcome
         request, output = self.check_files
         while not output.exists():
             if self.proc.poll() is not None and not output.exists():
                 return None
             time.sleep(poll_s)
-        outcome: dict[str, Any] = json.loads(output.read_text())
+        self.outcome = json.loads(output.read_text())
         self._remove_check_files()
-        return outcome
+        return self.outcome
 
     def _remove_check_files(self) -> None:
         if self.check_files is not None:
