@@ -48,9 +48,13 @@ def test_lazy_exports_resolve_and_unknown_names_fail():
 def test_values_skipping_streaming_checks_pass_them():
     """The shortcut sets in `config` may only hold values streaming's own checks accept."""
     from streaming.base.compression import is_compression
+    from streaming.base.constant import SHM_TO_CLEAN
     from streaming.base.hashing import get_hashes
     from streaming.base.util import bytes_to_int
 
+    from trainflow.data.shm import SHM_NAMES
+
+    assert list(SHM_NAMES) == SHM_TO_CLEAN  # what the pipeline's process cleans up
     assert all(is_compression(c) for c in config.KNOWN_COMPRESSIONS)
     assert config.KNOWN_HASHES.issubset(get_hashes())
     assert all(0 < bytes_to_int(s) < 2**32 for s in config.KNOWN_SHARD_SIZES)
@@ -64,6 +68,8 @@ def test_finding_a_published_dataset_and_naming_a_workload_import_no_heavy_modul
         "from trainflow.data import load_preset\n"
         "from trainflow.data.prepare import find_published\n"
         "from trainflow.strategies.job import Workload\n"
+        "from trainflow.data.shm import clean_stale_streaming_state\n"
+        "clean_stale_streaming_state()\n"
         "from trainflow.configs.sft import load_sft_preset\n"
         "print(find_published(load_preset('instructions').model_copy("
         f"update={{'output_root': {str(REPO_ROOT / 'no-such-root')!r}}})))\n"

@@ -16,13 +16,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from streaming.base.constant import SHM_TO_CLEAN
-from streaming.base.util import clean_stale_shared_memory
-
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-_SHM_NAME = re.compile(r"^(\d{6})_(" + "|".join(SHM_TO_CLEAN) + r")$")
+# `streaming.base.constant.SHM_TO_CLEAN`, named here so that a pipeline's process can clean up
+# after its ranks without importing `streaming` (and torch); a test keeps the two equal.
+SHM_NAMES = (
+    "locals",
+    "barrier",
+    "next_epoch",
+    "cache_usage",
+    "shard_states",
+    "shard_access_times",
+    "resume",
+    "epoch_shape",
+    "epoch_data",
+)
+_SHM_NAME = re.compile(r"^(\d{6})_(" + "|".join(SHM_NAMES) + r")$")
 _LOCK_NAME = re.compile(r"^(\d{6})_(barrier|cache)_filelock$")
 _MAPPED = re.compile(r"/dev/shm/(\d{6})_")
 # A file this young may belong to a run between creating and mapping it.
@@ -59,6 +69,8 @@ def clean_stale_streaming_state() -> list[str]:
         Paths removed.
     """
     if not (SHM_DIR.is_dir() and Path("/proc/self/maps").is_file()):
+        from streaming.base.util import clean_stale_shared_memory
+
         clean_stale_shared_memory()
         return []
     candidates = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()]
