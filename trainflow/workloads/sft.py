@@ -802,8 +802,14 @@ def train(
 
 
 def _release_memory(device: Any) -> None:
+    """Free the training state, and leave DeepSpeed's ZeRO-3 mode: under it, transformers
+    loads a model partitioned across the ranks (a collective), which rank 0 evaluating alone
+    would wait on forever."""
     import gc
 
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
     gc.collect()
     if device.type == "cuda":
         import torch
