@@ -15,19 +15,23 @@ from trainflow.data import config
 HEAVY = ("torch", "streaming", "datasets", "transformers", "trl")
 
 
+def _in_a_new_process(code: str) -> list[str]:
+    """Run `code` in a new interpreter; its output lines, the last one being the heavy
+    modules it ended up importing."""
+    code += f"import sys\nprint(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT
+    )
+    return out.stdout.strip().splitlines()
+
+
 def test_configs_import_and_validate_without_heavy_modules():
-    code = (
-        "import sys\n"
+    validated, loaded = _in_a_new_process(
         "import trainflow.data.config, trainflow.data, trainflow.paths\n"
         "assert trainflow.data.DataConfig is trainflow.data.config.DataConfig\n"
         "preset = trainflow.data.load_preset('instructions')\n"
         "print(preset.compression, preset.shard_size, preset.hashes)\n"
-        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT
-    )
-    validated, loaded = out.stdout.strip().splitlines()
     assert validated == "zstd 1mb ['sha1']"
     assert loaded == "[]", f"importing the data configs imported {loaded}"
 
@@ -61,10 +65,9 @@ def test_values_skipping_streaming_checks_pass_them():
 
 
 def test_finding_a_published_dataset_and_naming_a_workload_import_no_heavy_modules():
-    """A pipeline's process looks its cached dataset up and hands the ranks their workload
-    without torch or the data stack: the ranks, not it, import them."""
-    code = (
-        "import sys\n"
+    """A pipeline's process looks its cached dataset up, cleans what streaming left behind and
+    hands the ranks their workload without torch or the data stack: the ranks import them."""
+    found, loaded = _in_a_new_process(
         "from trainflow.data import load_preset\n"
         "from trainflow.data.prepare import find_published\n"
         "from trainflow.strategies.job import Workload\n"
@@ -76,11 +79,6 @@ def test_finding_a_published_dataset_and_naming_a_workload_import_no_heavy_modul
         "Workload(train_fn='trainflow.workloads.sft:train', "
         "model_fn='trainflow.workloads.sft:build_model', "
         "config=load_sft_preset('debug_cpu'), output_dir='out')\n"
-        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT
-    )
-    found, loaded = out.stdout.strip().splitlines()
     assert found == "None"
     assert loaded == "[]", f"finding a dataset or naming a workload imported {loaded}"
