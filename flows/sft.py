@@ -41,6 +41,7 @@ from trainflow.memory import MemoryPlan, plan_sft, remember_shape
 from trainflow.workloads import WORKLOADS, record_checked_ahead
 
 SFT = WORKLOADS["sft"]
+CHECKS = "trainflow.workloads.sft_checks"  # what the launch's agent checks first
 
 
 @flow(name="sft", log_prints=True)
@@ -135,17 +136,18 @@ def _check_files(config: SFTConfig) -> None:
 def _check_names(config: SFTConfig) -> None:
     """Scheduler and LoRA target names, the memory estimate (a run that does not fit is
     refused) and the technique on the model built on the meta device, all before the server
-    is up. The launch's agent, started now, runs them once it has imported the workload
-    (transformers, TRL) for the ranks (`sft.check_ahead`): this process never imports them.
-    Without an agent (TRAINFLOW_STANDBY=0, remote ranks) they run here."""
+    is up. The launch's agent, started now, runs them first (`sft_checks.check_ahead`, which
+    imports torch and transformers' model classes), then imports the rest of the workload for
+    the ranks (TRL, datasets, streaming): this process never imports them. Without an agent
+    (TRAINFLOW_STANDBY=0, remote ranks) they run here."""
     ahead = start_launch_agent(
-        config, SFT.module, check=(f"{SFT.module}:check_ahead", config.model_dump(mode="json"))
+        config, SFT.module, check=(f"{CHECKS}:check_ahead", config.model_dump(mode="json"))
     )
     import mlflow  # noqa: F401  (the run's tracking, loaded meanwhile)
 
     outcome = ahead.check_outcome()
     if outcome is None:
-        from trainflow.workloads.sft import check_ahead
+        from trainflow.workloads.sft_checks import check_ahead
 
         outcome = {"value": check_ahead(config.model_dump(mode="json"))}
     if "refused" in outcome:

@@ -147,7 +147,7 @@ def _warm_up(preload: list[str]) -> None:
 
 
 def run_check(request: str) -> None:
-    """Run the check the caller asked for ahead, with the workload's libraries loaded here.
+    """Run the check the caller asked for ahead, importing what it needs here.
 
     `request` is a JSON file: `function` (module:function, called with `argument`, a JSON
     value) and `output`, where the outcome goes, written at once when complete: `value` (what
@@ -174,13 +174,17 @@ def run_check(request: str) -> None:
 
 
 def standby(log: str, preload: list[str], check: str | None = None) -> int:
-    """Import `preload` now, run the caller's `check` (`run_check`), then run the launch whose
-    folder the caller writes to stdin.
+    """Run the caller's `check` (`run_check`), import `preload`, then run the launch whose folder
+    the caller writes to stdin.
 
     An import that fails here is left for the ranks, which raise it with their rank's context.
     Output so far (warnings of the imports) goes to the launch's agent log once it is known.
     """
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    if check is not None:
+        # First, with only what the check imports: the caller waits for its answer, not for
+        # the ranks' libraries, and goes on while they load.
+        run_check(check)
     started = time.monotonic()
     imported: list[str] = []
     for name in preload:
@@ -190,8 +194,6 @@ def standby(log: str, preload: list[str], check: str | None = None) -> int:
             print(f"standby agent: could not import {failure}", flush=True)
     took = time.monotonic() - started
     print(f"standby agent: imported {', '.join(imported) or 'nothing'} in {took:.1f}s", flush=True)
-    if check is not None:
-        run_check(check)
     _warm_up(preload)
     line = sys.stdin.readline().strip()
     if not line:

@@ -39,7 +39,7 @@ from trainflow.efficiency import EfficiencyMeter, batch_work, matmul_params, tra
 from trainflow.models.causal_lm import build_causal_lm
 from trainflow.strategies import Strategy, TechniqueConfig, build_strategy
 from trainflow.strategies.base import gather_full_state_dict
-from trainflow.strategies.job import RankEvaluation, TrainResult, check_technique, local_path
+from trainflow.strategies.job import RankEvaluation, TrainResult, local_path
 from trainflow.tracking import (
     PROGRESS_FILE,
     SINK_IMPORTS,
@@ -51,6 +51,7 @@ from trainflow.tracking import (
     registrable_as_is,
 )
 from trainflow.workloads import Evaluation
+from trainflow.workloads.sft_checks import check_ahead, check_config
 
 __all__ = [
     "PRESETS_DIR",
@@ -86,87 +87,6 @@ def build_model(job: SFTJob) -> PreTrainedModel:
     """The architecture without pretrained weights (the subflow checks the technique on it)."""
     tokenizer = load_tokenizer(job.config.tokenizer_path())
     return build_causal_lm(job.config.model, tokenizer, seed=0, pretrained=False)
-
-
-def check_config(config: SFTConfig) -> None:
-    """Refuse, before data is prepared or any rank starts, input the ranks would only fail on.
-
-    A local chat file must parse row by row (`check_files`), and the names must be ones the
-    Trainer and the model know (`check_names`).
-
-    Raises:
-        ValueError: naming the option or file, the bad value and what would be valid.
-    """
-    from trainflow.data.checks import check_files
-
-    check_files(config.data_config())
-    check_names(config)
-
-
-def check_names(config: SFTConfig) -> None:
-    """The learning-rate schedule must be one the Trainer knows, and every LoRA target must
-    name modules of the model (built on the meta device: no weights, no memory).
-
-    Raises:
-        ValueError: naming the option, the bad value and what would be valid.
-    """
-    from transformers import SchedulerType
-
-    from trainflow.data.checks import check_files
-
-    check_files(config.data_config())
-    schedules = [s.value for s in SchedulerType]
-    if config.training.lr_scheduler not in schedules:
-        raise ValueError(
-            f"training.lr_scheduler={config.training.lr_scheduler!r} is not a schedule the "
-            f"Trainer knows; use one of {schedules}"
-        )
-    if config.lora:
-        import torch
-
-        tokenizer = load_tokenizer(config.tokenizer_path())
-        with torch.device("meta"):
-            model = build_causal_lm(config.model, tokenizer, seed=0, pretrained=False)
-        names = [name for name, _ in model.named_modules() if name]
-        leaves = sorted({name.rsplit(".", 1)[-1] for name in names})
-        for target in config.lora_settings.target_modules:
-            if not any(name == target or name.endswith(f".{target}") for name in names):
-                raise ValueError(
-                    f"lora_settings.target_modules: {target!r} names no module of "
-                    f"{config.model}; its modules are named {leaves}"
-                )
-
-
-def check_ahead(config: dict[str, Any]) -> dict[str, Any]:
-    """Every check of `config` that needs this module's libraries, in one call: for a launch's
-    standby agent to run while the pipeline's process starts, which then need not import them
-    (`trainflow.launcher.standby`). The names (`check_config`), the memory plan (a run that
-    does not fit is refused) and the technique on the model built on the meta device, for the
-    technique the plan chose.
-
-    Returns the model's shape, for the pipeline's own memory plan, and the configs checked:
-    the one given and the one with its technique resolved (`technique: auto`).
-
-    Raises:
-        ValueError: naming the option, file or model that is wrong (`MemoryFitError` too).
-    """
-    from dataclasses import asdict
-
-    from trainflow.memory import plan_sft
-
-    given = SFTConfig.model_validate(config)
-    check_config(given)
-    plan = plan_sft(given)
-    resolved = given.with_technique(plan.technique)
-    tokenizer = load_tokenizer(resolved.tokenizer_path())
-    check_technique(
-        lambda: build_causal_lm(resolved.model, tokenizer, seed=0, pretrained=False),
-        resolved.technique,
-        resolved.resources,
-        "hf",
-    )
-    checked = [given.model_dump(mode="json"), resolved.model_dump(mode="json")]
-    return {"shape": asdict(plan.shape), "checked": checked}
 
 
 def read_split(uri: str, split: str, limit: int | None = None) -> dict[str, list[list[int]]]:
