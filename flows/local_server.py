@@ -160,6 +160,20 @@ def local_prefect_server() -> Iterator[str | None]:
         yield ready()
 
 
+def run_settings(settings: Any) -> dict[str, Any]:
+    """What changes for a run on its own temporary server: no flow-run heartbeats, unless
+    they were asked for (`PREFECT_FLOWS_HEARTBEAT_FREQUENCY`).
+
+    Heartbeats let a server tell a crashed flow run from a slow one; this server ends with
+    the process. And stopping the heartbeat thread at the end of a flow run takes up to a
+    second (it sleeps in whole seconds): for the pipeline and again for its technique's
+    subflow.
+    """
+    if "heartbeat_frequency" in settings.flows.model_fields_set:
+        return {}
+    return {"flows.heartbeat_frequency": None}
+
+
 @contextlib.contextmanager
 def starting_prefect_server() -> Iterator[Callable[[], str | None]]:
     """Start a temporary Prefect server for this process; yield a call that waits for it.
@@ -179,9 +193,11 @@ def starting_prefect_server() -> Iterator[Callable[[], str | None]]:
     server = _Starting(Path(settings.home), timeout_s)
     settings_in_use = contextlib.ExitStack()
 
+    updates = run_settings(settings)
+
     def point_at(url: str) -> None:
         os.environ["PREFECT_API_URL"] = url  # processes this run starts agree
-        settings_in_use.enter_context(temporary_settings(updates={PREFECT_API_URL: url}))
+        settings_in_use.enter_context(temporary_settings(updates={PREFECT_API_URL: url, **updates}))
 
     def ready() -> str:
         started_on = server.url

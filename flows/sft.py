@@ -20,6 +20,7 @@ Deploy: `prefect --no-prompt deploy --name sft/cpu-local` (see prefect.yaml).
 """
 
 import functools
+import importlib
 import sys
 
 from prefect import flow
@@ -42,6 +43,14 @@ from trainflow.workloads import WORKLOADS, record_checked_ahead
 
 SFT = WORKLOADS["sft"]
 CHECKS = "trainflow.workloads.sft_checks"  # what the launch's agent checks first
+# What this process needs once the run starts, imported while it waits for the agent's checks:
+# the run's tracking (MLflow's store) and the loss plot's drawing.
+WHILE_WAITING = (
+    "mlflow",
+    *tracking.SINK_IMPORTS,
+    "matplotlib.figure",
+    "matplotlib.backends.backend_agg",
+)
 
 
 @flow(name="sft", log_prints=True)
@@ -143,7 +152,8 @@ def _check_names(config: SFTConfig) -> None:
     ahead = start_launch_agent(
         config, SFT.module, check=(f"{CHECKS}:check_ahead", config.model_dump(mode="json"))
     )
-    import mlflow  # noqa: F401  (the run's tracking, loaded meanwhile)
+    for name in WHILE_WAITING:
+        importlib.import_module(name)
 
     outcome = ahead.check_outcome()
     if outcome is None:

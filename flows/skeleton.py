@@ -66,6 +66,31 @@ class DatasetResult(PipelineResult):
     dataset_uri: str = Field(description="Prepared dataset the model was trained on.")
 
 
+class Beside:
+    """Futures of tasks running beside the next steps of a run (the loss plot).
+
+    Not a list on purpose: Prefect waits for every future it finds in a task's parameters,
+    and the steps after training take the run as one, so the evaluation would wait for the
+    plot it should run beside.
+    """
+
+    def __init__(self) -> None:
+        self._futures: list[Any] = []
+
+    def add(self, future: Any) -> None:
+        self._futures.append(future)
+
+    def wait(self) -> None:
+        """Until every one has ended, however."""
+        for future in self._futures:
+            future.wait()
+
+    def results(self) -> None:
+        """Until every one has ended; raises the first one's failure."""
+        for future in self._futures:
+            future.result()
+
+
 @dataclass(frozen=True)
 class TrackedRun:
     """One pipeline run: its workload, what its ranks get, MLflow run, lineage, output folder."""
@@ -77,7 +102,7 @@ class TrackedRun:
     lineage: dict[str, str]
     # Tasks submitted to run beside the next steps (the loss plot beside the evaluation); the
     # run waits for them before it ends.
-    pending: list[Any] = field(default_factory=list)
+    pending: "Beside" = field(default_factory=lambda: Beside())
 
     @property
     def name(self) -> str:
@@ -162,11 +187,9 @@ def tracked_run(
         try:
             yield run
         except BaseException:
-            for future in run.pending:
-                future.wait()
+            run.pending.wait()
             raise
-        for future in run.pending:
-            future.result()  # a step that failed beside the others fails the run
+        run.pending.results()  # a step that failed beside the others fails the run
 
 
 @contextlib.contextmanager
@@ -242,7 +265,7 @@ def train(run: TrackedRun, config: Any) -> TrainResult:
         checkpoint.remove_partial(checkpoints)
         _remove_stale_shared_memory()
     # Plotted while the model is evaluated (matplotlib's import and the drawing take seconds).
-    run.pending.append(publish_loss_curve.submit(run.artifact_key, run.run_id, trained.history))
+    run.pending.add(publish_loss_curve.submit(run.artifact_key, run.run_id, trained.history))
     return trained
 
 
@@ -275,12 +298,13 @@ def _remove_stale_shared_memory() -> None:
         return shm.is_dir() and any(re.match(r"\d{6}_", p.name) for p in shm.iterdir())
 
     if streams_left():
-        from trainflow.data.shm import GRACE_S, clean_stale_streaming_state
+        from trainflow.data.shm import GRACE_S, clean_stale_streaming_state, too_young_to_judge
 
         clean_stale_streaming_state()
-        if streams_left():
+        if too_young_to_judge():
             # What the ranks wrote just before they stopped is too young to be judged yet (it
-            # could be another run's, not mapped yet); look again once it is not.
+            # could be another run's, not mapped yet); look again once it is not. What live
+            # processes map (other runs on the machine) is not waited for.
             time.sleep(GRACE_S)
             clean_stale_streaming_state()
 

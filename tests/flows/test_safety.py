@@ -85,3 +85,14 @@ def test_checkpoints_load_weights_only(tmp_path):
     torch.save({"net.0.weight": Payload()}, path)
     with pytest.raises(Exception, match="Weights only load failed"):
         load_model(MLPConfig(), path)
+
+
+def test_runs_on_their_own_temporary_server_send_no_heartbeats_unless_asked(monkeypatch):
+    from prefect.settings import Settings
+
+    from flows.local_server import run_settings
+
+    monkeypatch.delenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", raising=False)
+    assert run_settings(Settings()) == {"flows.heartbeat_frequency": None}
+    monkeypatch.setenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "60")
+    assert run_settings(Settings()) == {}

@@ -60,6 +60,33 @@ def _stale(path: Path, pattern: re.Pattern[str], live: set[str], now: float) -> 
     return stat.st_uid == os.getuid() and now - stat.st_mtime > GRACE_S
 
 
+def _candidates() -> list[tuple[Path, re.Pattern[str]]]:
+    candidates = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()]
+    return candidates + [(p, _LOCK_NAME) for p in Path(tempfile.gettempdir()).iterdir()]
+
+
+def too_young_to_judge() -> list[str]:
+    """Our shared memory that no process maps but is younger than `GRACE_S`: a run may be
+    about to map it, or ranks stopped just now left it. Look again once it is older. (Lock
+    files take no memory: a later clean-up removes them.)"""
+    if not SHM_DIR.is_dir():
+        return []
+    listed = [p for p in SHM_DIR.iterdir() if _SHM_NAME.match(p.name)]
+    live = _prefixes_in_use()
+    now = time.time()
+    young = []
+    for path in listed:
+        if _SHM_NAME.match(path.name).group(1) in live:  # type: ignore[union-attr]
+            continue
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue
+        if stat.st_uid == os.getuid() and now - stat.st_mtime <= GRACE_S:
+            young.append(str(path))
+    return young
+
+
 def clean_stale_streaming_state() -> list[str]:
     """Delete shared memory and lock files of `streaming` runs that no process uses.
 
@@ -73,8 +100,7 @@ def clean_stale_streaming_state() -> list[str]:
 
         clean_stale_shared_memory()
         return []
-    candidates = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()]
-    candidates += [(p, _LOCK_NAME) for p in Path(tempfile.gettempdir()).iterdir()]
+    candidates = _candidates()
     # List first, then read the maps: anything listed and live is mapped by then.
     live = _prefixes_in_use()
     now = time.time()

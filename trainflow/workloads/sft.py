@@ -695,10 +695,13 @@ def train(
         )
     wrapped_as = type(trainer.model_wrapped).__name__
     runtime.print0(f"trained as {wrapped_as} on {runtime.get_world_size()} rank(s)")
+    saving = time.monotonic()
     if trainer.is_fsdp_enabled:
         _save_sharded(trainer, model, peft_config, trained_model_dir(out))
     else:
         trainer.save_model(str(trained_model_dir(out)))
+    took = time.monotonic() - saving
+    runtime.print0(f"saved the trained model to {trained_model_dir(out)} in {took:.1f}s")
     result = TrainResult(
         technique=strategy.name,
         world_size=runtime.get_world_size(),
@@ -748,12 +751,16 @@ def evaluate_and_log(
     `device`) and the trained model logged to the MLflow run (`log_model`'s model, card and
     signature), for the pipeline to register without loading it. Saying it is alive after
     each batch, for the launcher's hang watchdog."""
-    step = trained.steps
+    step, started = trained.steps, time.monotonic()
     evaluation = evaluate(
         job, trained, device=device, on_batch=lambda: runtime.heartbeat(step), held_out=held_out
     )
+    evaluated = time.monotonic()
+    rows, took = len(held_out["input_ids"]), evaluated - started
+    print(f"evaluated the trained and untrained models on {rows} rows in {took:.1f}s")
     tags = {"mlflow_run_id": run_id, "dataset_fingerprint": job.data.fingerprint}
     uri = _log(job, evaluation, run_id, tags)
+    print(f"logged the model to MLflow run {run_id} in {time.monotonic() - evaluated:.1f}s")
     return RankEvaluation(metrics=evaluation.metrics, logged_model_uri=uri)
 
 
