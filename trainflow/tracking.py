@@ -126,16 +126,50 @@ class MlflowSink:
 def warm_model_logging() -> None:
     """Build now what MLflow builds the first time a process logs a model with stated
     requirements: a map of every installed distribution to the modules it provides (MLflow
-    checks the requirements against it), about 2.5 s with this project's environment on 2
+    checks the requirements against it), 1 to 2.5 s with this project's environment on 2
     cores. A launch's standby agent runs it while it waits for its launch (`RANK_WARMUPS`), so
-    that rank 0, forked from it, logs its model without building the map again. The map is
-    internal to MLflow: if it is not there, nothing is done."""
+    that rank 0, forked from it, logs its model without building the map again.
+
+    The map depends only on what is installed: it is kept on disk (`package_map_file`) and
+    read back by later runs in the same environment. It is internal to MLflow: if it is not
+    there, nothing is done."""
     try:
         from mlflow.utils import requirements_utils
-
-        requirements_utils._init_modules_to_packages_map()
-    except Exception:  # another MLflow: it builds the map itself when it logs
+    except ImportError:
         return
+    if getattr(requirements_utils, "_MODULES_TO_PACKAGES", "absent") is not None:
+        return  # built already, or another MLflow: it builds the map itself when it logs
+    kept = package_map_file()
+    with contextlib.suppress(OSError, ValueError):
+        requirements_utils._MODULES_TO_PACKAGES = json.loads(kept.read_text())
+        return
+    try:
+        requirements_utils._init_modules_to_packages_map()
+    except Exception:
+        return
+    with contextlib.suppress(OSError):
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(requirements_utils._MODULES_TO_PACKAGES))
+        os.replace(partial, kept)
+
+
+def package_map_file() -> Path:
+    """Where MLflow's map of installed packages to modules is kept for this environment: the
+    name changes with the interpreter and with anything installed, upgraded or removed (the
+    names of the distributions' metadata folders carry their versions)."""
+    import hashlib
+    import sys
+
+    from trainflow.paths import trainflow_home
+
+    digest = hashlib.sha256(sys.prefix.encode())
+    for entry in sys.path:
+        with contextlib.suppress(OSError):
+            for name in sorted(os.listdir(entry or ".")):
+                if name.endswith((".dist-info", ".egg-info", ".egg-link", ".pth")):
+                    digest.update(f"{entry}/{name}".encode())
+    return trainflow_home() / "cache" / f"mlflow-package-map-{digest.hexdigest()[:16]}.json"
 
 
 PROGRESS_FILE = "progress.json"
