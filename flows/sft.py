@@ -22,21 +22,10 @@ Deploy: `prefect --no-prompt deploy --name sft/cpu-local` (see prefect.yaml).
 import functools
 import importlib
 import sys
+from typing import Any
 
-from prefect import flow
-
-from flows.skeleton import (
-    DatasetResult,
-    evaluate,
-    finish,
-    preflight,
-    register,
-    tracked_run,
-    train,
-)
-from tasks.data import prepare_dataset
 from trainflow import tracking
-from trainflow.cli import pipeline_config, run_pipeline, start_launch_agent
+from trainflow.cli import pipeline_config, run_pipeline, start_ahead, start_launch_agent
 from trainflow.configs.sft import SFTConfig, SFTJob, load_sft_preset, sft_preset_names
 from trainflow.memory import MemoryPlan, plan_sft, remember_shape
 from trainflow.workloads import WORKLOADS, record_checked_ahead
@@ -51,6 +40,44 @@ WHILE_WAITING = (
     "matplotlib.figure",
     "matplotlib.backends.backend_agg",
 )
+PRESETS = {name: functools.partial(load_sft_preset, name) for name in sft_preset_names()}
+
+
+def _check_files(config: SFTConfig) -> None:
+    """The data files' checks: they need no torch or transformers, so a bad row fails in
+    about a second, before the Prefect server starts."""
+    from trainflow.data.checks import check_files
+
+    check_files(config.data_config())
+
+
+def _start_agent(config: SFTConfig) -> Any:
+    """The training launch's agent, started now (or the one already started for `config`),
+    asked to check `config` first (`sft_checks.check_ahead`)."""
+    return start_launch_agent(
+        config, SFT.module, check=(f"{CHECKS}:check_ahead", config.model_dump(mode="json"))
+    )
+
+
+if __name__ == "__main__":
+    # `python -m flows.sft`: the agent starts before this process imports Prefect
+    # (`trainflow.cli.start_ahead`); the imports below take a second of one core.
+    start_ahead(
+        "sft", load_sft_preset("debug_cpu"), sys.argv[1:], PRESETS, _check_files, _start_agent
+    )
+
+from prefect import flow  # noqa: E402  (after the agent has started, above)
+
+from flows.skeleton import (  # noqa: E402
+    DatasetResult,
+    evaluate,
+    finish,
+    preflight,
+    register,
+    tracked_run,
+    train,
+)
+from tasks.data import prepare_dataset  # noqa: E402
 
 
 @flow(name="sft", log_prints=True)
@@ -110,9 +137,6 @@ SUMMARY_METRICS = [
 ] + ["train_runtime", "eff_tokens_per_s"]
 
 
-PRESETS = {name: functools.partial(load_sft_preset, name) for name in sft_preset_names()}
-
-
 def parse_args(argv: list[str] | None) -> SFTConfig:
     """The command line as a validated config (`--preset` picks the starting values)."""
     return pipeline_config(sft, load_sft_preset("debug_cpu"), argv, __doc__, PRESETS)
@@ -134,14 +158,6 @@ def main(argv: list[str] | None = None) -> DatasetResult:
     )
 
 
-def _check_files(config: SFTConfig) -> None:
-    """The data files' checks: they need no torch or transformers, so a bad row fails in
-    about a second, before the Prefect server starts."""
-    from trainflow.data.checks import check_files
-
-    check_files(config.data_config())
-
-
 def _check_names(config: SFTConfig) -> None:
     """Scheduler and LoRA target names, the memory estimate (a run that does not fit is
     refused) and the technique on the model built on the meta device, all before the server
@@ -149,9 +165,7 @@ def _check_names(config: SFTConfig) -> None:
     imports torch and transformers' model classes), then imports the rest of the workload for
     the ranks (TRL, datasets, streaming): this process never imports them. Without an agent
     (TRAINFLOW_STANDBY=0, remote ranks) they run here."""
-    ahead = start_launch_agent(
-        config, SFT.module, check=(f"{CHECKS}:check_ahead", config.model_dump(mode="json"))
-    )
+    ahead = _start_agent(config)
     for name in WHILE_WAITING:
         importlib.import_module(name)
 

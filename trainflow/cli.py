@@ -251,6 +251,16 @@ def pipeline_config(
 
     `--resume RUN_ID` starts from the config that run was started with.
     """
+    return _command_line_config(flow.name, defaults, argv, doc, presets)
+
+
+def _command_line_config(
+    name: str,
+    defaults: M,
+    argv: list[str] | None,
+    doc: str | None,
+    presets: Mapping[str, Callable[[], M]] | None,
+) -> M:
     from trainflow.paths import read_run_config
 
     resumable = "resume" in type(defaults).model_fields
@@ -258,11 +268,45 @@ def pipeline_config(
         type(defaults),
         defaults,
         argv,
-        prog=f"python -m flows.{flow.name}",
+        prog=f"python -m flows.{name}",
         description=doc or "",
         presets=presets,
-        resumed=(lambda run_id: read_run_config(flow.name, run_id)) if resumable else None,
+        resumed=(lambda run_id: read_run_config(name, run_id)) if resumable else None,
     )
+
+
+def start_ahead(
+    name: str,
+    defaults: M,
+    argv: list[str],
+    presets: Mapping[str, Callable[[], M]] | None,
+    check: Callable[[Any], None] | None,
+    ahead: Callable[[M], Any],
+) -> None:
+    """`python -m flows.<name>`, before the flow's module imports Prefect (about a second of one
+    core, while the other has nothing to do): if the command line is valid, its files check
+    out (`check`) and this machine can run it, call `ahead(config)`, which starts the run's
+    training launch agent (`start_launch_agent`), whose imports come first on the way to the
+    first step.
+
+    Quiet: whatever is wrong is left for `run_pipeline`, which reads the same command line
+    again and says so. The agent is the one its launch then uses; if none does, it is stopped
+    when the pipeline ends, or when this process does.
+    """
+    import io
+
+    from trainflow.resources import Resources, check_cpu_oversubscription
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            config = _command_line_config(name, defaults, argv, None, presets)
+            if isinstance(config, Resources):
+                check_cpu_oversubscription(config.launch_plan())
+            if check is not None:
+                check(config)
+    except (SystemExit, Exception):  # a usage error, --help: `run_pipeline` reports it
+        return
+    ahead(config)
 
 
 class Terminated(BaseException):

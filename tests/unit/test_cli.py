@@ -67,3 +67,49 @@ def test_unknown_union_variant_names_the_option(capsys):
     with pytest.raises(SystemExit):
         parse_config(TransformerConfig, TransformerConfig(), ["--technique", "zero9"], "t", "")
     assert "--technique" in capsys.readouterr().err
+
+
+def _started_ahead(argv: list[str], check=None) -> list:
+    from trainflow.cli import start_ahead
+    from trainflow.configs.sft import load_sft_preset
+
+    started: list = []
+    start_ahead("sft", load_sft_preset("debug_cpu"), argv, None, check, started.append)
+    return started
+
+
+def test_a_valid_command_line_starts_its_agent_ahead_with_the_config_it_names(capsys):
+    (config,) = _started_ahead(["--max-steps", "7", "--technique", "fsdp"])
+    assert (config.max_steps, config.technique.name) == (7, "fsdp")
+    assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["--max-steps", "0"], ["--no-such-option"], ["--gpus", "64"]]
+)
+def test_a_command_line_that_will_not_run_starts_nothing_ahead_and_says_nothing(argv, capsys):
+    # Help, a bad value, an unknown option, more CPU ranks than this machine can run: all
+    # reported once, by the pipeline's own reading of the same command line.
+    assert _started_ahead(argv) == []
+    assert capsys.readouterr() == ("", "")
+
+
+def test_a_data_file_the_check_refuses_starts_nothing_ahead():
+    def refuse(config):
+        raise ValueError("dataset: line 3 is not JSON")
+
+    assert _started_ahead([], check=refuse) == []
+
+
+def test_the_sft_command_starts_its_agent_before_it_imports_prefect():
+    code = (
+        "import sys, runpy, trainflow.cli as cli\n"
+        "def spy(*args): print('PREFECT_LOADED', 'prefect' in sys.modules); raise SystemExit(0)\n"
+        "cli.start_ahead = spy\n"
+        "sys.argv = ['flows/sft.py', '--max-steps', '3']\n"
+        "runpy.run_module('flows.sft', run_name='__main__')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert "PREFECT_LOADED False" in done.stdout, done.stderr[-2000:]
