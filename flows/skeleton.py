@@ -102,7 +102,7 @@ class TrackedRun:
     lineage: dict[str, str]
     # Tasks submitted to run beside the next steps (the loss plot beside the evaluation); the
     # run waits for them before it ends.
-    pending: "Beside" = field(default_factory=lambda: Beside())
+    pending: Beside = field(default_factory=Beside)
 
     @property
     def name(self) -> str:
