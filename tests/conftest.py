@@ -1,5 +1,6 @@
 """Shared fixtures: one real Prefect server per test session, isolated state per test."""
 
+import gc
 import os
 import signal
 import socket
@@ -43,6 +44,13 @@ def wait_until_serving(url: str, proc: subprocess.Popen, timeout_s: float, what:
             raise RuntimeError(f"{what} did not start")
         time.sleep(0.2)
 
+
+
+def pytest_collection_finish(session):
+    """The modules the tests imported (torch, transformers, Prefect, MLflow) live as long as the
+    session: out of the garbage collector's sight, each full collection (Python's own, and the
+    tests' `gc.collect()` that closes a streaming dataset) does not walk them again."""
+    gc.freeze()
 
 @pytest.fixture(autouse=True)
 def _isolated_state(tmp_path, monkeypatch):
