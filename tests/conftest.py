@@ -45,12 +45,12 @@ def wait_until_serving(url: str, proc: subprocess.Popen, timeout_s: float, what:
         time.sleep(0.2)
 
 
-
 def pytest_collection_finish(session):
     """The modules the tests imported (torch, transformers, Prefect, MLflow) live as long as the
     session: out of the garbage collector's sight, each full collection (Python's own, and the
     tests' `gc.collect()` that closes a streaming dataset) does not walk them again."""
     gc.freeze()
+
 
 @pytest.fixture(autouse=True)
 def _isolated_state(tmp_path, monkeypatch):

@@ -295,13 +295,10 @@ def start_ahead(
     """
     import io
 
-    from trainflow.resources import Resources, check_cpu_oversubscription
-
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             config = _command_line_config(name, defaults, argv, None, presets)
-            if isinstance(config, Resources):
-                check_cpu_oversubscription(config.launch_plan())
+            _check_machine(name, config)
             if check is not None:
                 check(config)
     except (SystemExit, Exception):  # a usage error, --help: `run_pipeline` reports it
@@ -411,7 +408,7 @@ def run_pipeline(
     from trainflow.data.errors import DataError
 
     config = pipeline_config(flow, defaults, argv, doc, presets)
-    _check_machine(flow, config)
+    _check_machine(flow.name, config)
     _usage_check(flow, check, config)
     before = tracking.last_run_id()
     around = server() if server else contextlib.nullcontext(lambda: None)
@@ -506,7 +503,7 @@ def _print_result(flow: Any, result: Any, summary_metrics: list[str] | None) -> 
     )
 
 
-def _check_machine(flow: Any, config: BaseModel) -> None:
+def _check_machine(name: str, config: BaseModel) -> None:
     """Exit as a usage error, before anything starts, if this machine cannot run the ranks.
 
     A GPU type or count the machine does not have fails here in a second, before the local
@@ -523,7 +520,7 @@ def _check_machine(flow: Any, config: BaseModel) -> None:
     try:
         check_cpu_oversubscription(config.launch_plan())
     except ResourceError as exc:
-        print(f"python -m flows.{flow.name}: error: {exc}", file=sys.stderr)
+        print(f"python -m flows.{name}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

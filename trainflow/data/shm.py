@@ -49,20 +49,21 @@ def _prefixes_in_use() -> set[str]:
     return live
 
 
-def _stale(path: Path, pattern: re.Pattern[str], live: set[str], now: float) -> bool:
+def _unused_age(path: Path, pattern: re.Pattern[str], live: set[str], now: float) -> float | None:
+    """How old `path` is, if it is a `streaming` file of ours whose prefix no process maps."""
     match = pattern.match(path.name)
     if not match or match.group(1) in live:
-        return False
+        return None
     try:
         stat = path.stat()
     except FileNotFoundError:
-        return False
-    return stat.st_uid == os.getuid() and now - stat.st_mtime > GRACE_S
+        return None
+    return now - stat.st_mtime if stat.st_uid == os.getuid() else None
 
 
-def _candidates() -> list[tuple[Path, re.Pattern[str]]]:
-    candidates = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()]
-    return candidates + [(p, _LOCK_NAME) for p in Path(tempfile.gettempdir()).iterdir()]
+def _stale(path: Path, pattern: re.Pattern[str], live: set[str], now: float) -> bool:
+    age = _unused_age(path, pattern, live, now)
+    return age is not None and age > GRACE_S
 
 
 def too_young_to_judge() -> list[str]:
@@ -71,18 +72,13 @@ def too_young_to_judge() -> list[str]:
     files take no memory: a later clean-up removes them.)"""
     if not SHM_DIR.is_dir():
         return []
-    listed = [p for p in SHM_DIR.iterdir() if _SHM_NAME.match(p.name)]
+    listed = list(SHM_DIR.iterdir())
     live = _prefixes_in_use()
     now = time.time()
     young = []
     for path in listed:
-        if _SHM_NAME.match(path.name).group(1) in live:  # type: ignore[union-attr]
-            continue
-        try:
-            stat = path.stat()
-        except FileNotFoundError:
-            continue
-        if stat.st_uid == os.getuid() and now - stat.st_mtime <= GRACE_S:
+        age = _unused_age(path, _SHM_NAME, live, now)
+        if age is not None and age <= GRACE_S:
             young.append(str(path))
     return young
 
@@ -100,7 +96,8 @@ def clean_stale_streaming_state() -> list[str]:
 
         clean_stale_shared_memory()
         return []
-    candidates = _candidates()
+    candidates = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()]
+    candidates += [(p, _LOCK_NAME) for p in Path(tempfile.gettempdir()).iterdir()]
     # List first, then read the maps: anything listed and live is mapped by then.
     live = _prefixes_in_use()
     now = time.time()
