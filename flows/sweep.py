@@ -17,6 +17,7 @@ docs/sweeps.md.
 Deploy: `prefect --no-prompt deploy --name sweep/cpu-local` (see prefect.yaml).
 """
 
+import concurrent.futures
 import json
 import sys
 import time
@@ -24,7 +25,7 @@ from typing import Any, Literal
 
 import optuna
 from prefect import flow
-from prefect.futures import PrefectFuture, wait
+from prefect.futures import PrefectConcurrentFuture, PrefectFuture
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -212,6 +213,23 @@ def _save_config(config: SweepConfig, parent: str) -> None:
     path.write_text(json.dumps(mine, indent=2))
 
 
+def first_done(
+    futures: list[PrefectConcurrentFuture[Any]], timeout_s: float
+) -> set[PrefectConcurrentFuture[Any]]:
+    """The futures that are done, once one is or `timeout_s` has passed.
+
+    Not `prefect.futures.wait(..., timeout=...)`: in the main thread, its timeout is a SIGALRM
+    that can land while the waiting thread takes its lock back, and the wait then fails
+    ('release unlocked lock') instead of returning. A stopped sweep waits on its trials that
+    way, and a Ctrl-C once ended in that error and exit status 1 instead of 130.
+    """
+    by_inner = {future.wrapped_future: future for future in futures}
+    done, _ = concurrent.futures.wait(
+        by_inner, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
+    )
+    return {by_inner[inner] for inner in done}
+
+
 class _Trials:
     """The sweep's loop: keep trials in flight, feed the pruner, record how each ended."""
 
@@ -237,7 +255,7 @@ class _Trials:
                 if not self.in_flight:
                     return
                 futures = [future for _, future in self.in_flight.values()]
-                self.watch(wait(futures, timeout=self.config.poll_s).done)
+                self.watch(first_done(futures, self.config.poll_s))
         except BaseException:
             # Stopped (Ctrl-C, SIGTERM, a cancel): stop the trials as a preemption would (a
             # checkpoint, their runs KILLED) and leave them RUNNING in the study, so a resume
@@ -247,7 +265,7 @@ class _Trials:
             while pending and time.monotonic() < deadline:
                 for number in pending:
                     self.stop(number)
-                done = wait([future for _, future in pending.values()], timeout=1.0).done
+                done = first_done([future for _, future in pending.values()], 1.0)
                 for number, (trial, future) in list(pending.items()):
                     if future in done:
                         del pending[number]

@@ -13,7 +13,9 @@
 # dependencies: the rank side needs only torch, psutil and cloudpickle, listed in each file.
 # Where .venv exists, the distributions a framework environment shares with it at the same
 # version (Unsloth's torch and CUDA libraries, 5.4 GiB) are hard links to .venv's files, not
-# copies (scripts/share_packages.py): the four environments take about 18 GB, not 26.
+# copies (scripts/share_packages.py): the four environments take about 18 GB, not 26. Started
+# by scripts/setup.sh --with-frameworks, they install beside .venv: one that pins .venv's torch
+# waits for .venv first, the others link what they share once .venv is complete.
 # Running it again on an existing environment only checks it (seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,15 +59,43 @@ case "$name" in
         export PIP_CONSTRAINT=/dev/null
         ;;
 esac
+requirements="scripts/frameworks/$name.txt"
+# Started by scripts/setup.sh while it installs .venv (TRAINFLOW_SETUP_PID): .venv is
+# complete once it writes .venv/.trainflow-installed. Run alone, an existing .venv is.
+venv_complete() {
+    if [[ -n "${TRAINFLOW_SETUP_PID:-}" ]]; then
+        [[ -e .venv/.trainflow-installed ]]
+    else
+        [[ -x .venv/bin/python ]]
+    fi
+}
+wait_for_venv() {
+    until venv_complete; do
+        if ! kill -0 "$TRAINFLOW_SETUP_PID" 2>/dev/null; then
+            echo "scripts/setup.sh stopped before .venv was complete" >&2
+            exit 1
+        fi
+        sleep 2
+    done
+}
+venv_torch="$(sed -n 's/^torch==//p' constraints.txt)"
+if [[ -n "${TRAINFLOW_SETUP_PID:-}" ]] && grep -qx "torch==$venv_torch" "$requirements"; then
+    echo "$name pins .venv's torch $venv_torch: waiting for .venv, to link it rather than copy it"
+    wait_for_venv
+fi
 share=0
-if [[ -x .venv/bin/python ]]; then
+if venv_complete; then
     share=1
     # What it pins at .venv's version is linked from .venv, not copied (see the script).
-    .venv/bin/python scripts/share_packages.py seed "$venv" "scripts/frameworks/$name.txt"
+    .venv/bin/python scripts/share_packages.py seed "$venv" "$requirements"
 fi
-echo "Installing $name into $venv (scripts/frameworks/$name.txt)"
-"$venv/bin/pip" install --quiet --progress-bar off -r "scripts/frameworks/$name.txt"
+echo "Installing $name into $venv ($requirements)"
+"$venv/bin/pip" install --quiet --progress-bar off -r "$requirements"
 "$venv/bin/pip" install --quiet --progress-bar off --no-deps -e .
+if [[ -n "${TRAINFLOW_SETUP_PID:-}" ]]; then
+    wait_for_venv
+    share=1
+fi
 if [[ "$share" == 1 ]]; then
     .venv/bin/python scripts/share_packages.py link "$venv"
 fi

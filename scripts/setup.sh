@@ -19,21 +19,28 @@ for arg in "$@"; do
     esac
 done
 
+# Marks .venv complete: the framework environments link what they share with it only then.
+installed=.venv/.trainflow-installed
+rm -f "$installed"
+
+if [[ "$with_frameworks" == 1 ]]; then
+    # Their own environments (minutes, GBs) install while .venv's does. Those that pin .venv's
+    # torch (Unsloth: torch and its CUDA libraries, 5.4 GiB) wait for it and link it rather than
+    # copy it; the others start now and link what they share once .venv is complete
+    # (scripts/share_packages.py). Their own process group: stopped with this script.
+    echo "Disk free for the framework environments: $(df -h --output=avail . | tail -n 1 | tr -d ' ')"
+    TRAINFLOW_SETUP_PID=$$ setsid -w bash scripts/setup-framework.sh all > .venvs-setup.log 2>&1 &
+    frameworks_pid=$!
+    trap 'kill -- -"$frameworks_pid" 2>/dev/null || true' EXIT
+fi
+
 if [[ ! -x .venv/bin/python ]]; then
     python3 -m venv .venv
 fi
 # DeepSpeed compiles no ops at install; the CPU paths use torch's own Adam.
 DS_BUILD_OPS=0 .venv/bin/pip install --quiet --progress-bar off -c constraints.txt -e ".[dev,ray,k8s]"
+touch "$installed"
 echo "Python packages installed in .venv"
-
-if [[ "$with_frameworks" == 1 ]]; then
-    # Their own environments (minutes, GBs) install while the rest of this runs. They start
-    # after .venv: what they share with it (torch and its CUDA libraries for Unsloth) is
-    # linked from it, not copied (scripts/share_packages.py).
-    echo "Disk free for the framework environments: $(df -h --output=avail . | tail -n 1 | tr -d ' ')"
-    bash scripts/setup-framework.sh all > .venvs-setup.log 2>&1 &
-    frameworks_pid=$!
-fi
 
 if [[ "$with_browser" == 1 ]]; then
     if [[ -x /usr/bin/chromium ]]; then

@@ -1,11 +1,14 @@
 """Shared fixtures: one real Prefect server per test session, isolated state per test."""
 
+import contextlib
+import fcntl
 import gc
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -50,6 +53,46 @@ def pytest_collection_finish(session):
     session: out of the garbage collector's sight, each full collection (Python's own, and the
     tests' `gc.collect()` that closes a streaming dataset) does not walk them again."""
     gc.freeze()
+
+
+def pytest_runtest_setup(item):
+    """What the last test left alive joins them (its garbage is collected first): a test's
+    full collections walk only what it made itself, not what every earlier test left behind."""
+    gc.collect()
+    gc.freeze()
+
+
+@contextlib.contextmanager
+def _flock(path: Path, mode: int):
+    with open(path, "a") as file:
+        fcntl.flock(file, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked(request):
+    """With tests in parallel (pytest-xdist's workers), a test marked `alone` runs while no other
+    test does: it makes state that is machine-wide on purpose (stale `streaming` shared memory,
+    which any run's clean-up removes). Every test holds a shared lock, an `alone` one the
+    exclusive lock; a second lock, taken first, lets a waiting `alone` test in before new ones."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process: tests run one at a time anyway
+        yield
+        return
+    folder = Path(tempfile.gettempdir())
+    alone = request.node.get_closest_marker("alone") is not None
+    with contextlib.ExitStack() as held:
+        with _flock(folder / f"trainflow-tests-{run}.turn", fcntl.LOCK_EX):
+            held.enter_context(
+                _flock(
+                    folder / f"trainflow-tests-{run}.lock",
+                    fcntl.LOCK_EX if alone else fcntl.LOCK_SH,
+                )
+            )
+        yield
 
 
 @pytest.fixture(autouse=True)

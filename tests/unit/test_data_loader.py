@@ -86,6 +86,7 @@ def test_corrupted_shard_fails_the_hash_check_naming_the_file(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # other tests' runs would clean up the memory the crash leaves
 def test_run_after_a_crashed_run_with_stale_shared_memory_starts_cleanly(clicks):
     # Killed with its process group after building its loader, a run leaves streaming's shared
     # memory behind, and plain streaming then refuses the split. (Killed after reading, it also

@@ -8,7 +8,11 @@ import pytest
 
 from trainflow.data.shm import GRACE_S, SHM_DIR, clean_stale_streaming_state, too_young_to_judge
 
-pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
+pytestmark = [
+    pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm"),
+    # Other tests' runs clean up stale shared memory, this test's leftover included.
+    pytest.mark.alone,
+]
 
 
 @pytest.fixture
