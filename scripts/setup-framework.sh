@@ -83,9 +83,7 @@ if [[ -n "${TRAINFLOW_SETUP_PID:-}" ]] && grep -qx "torch==$venv_torch" "$requir
     echo "$name pins .venv's torch $venv_torch: waiting for .venv, to link it rather than copy it"
     wait_for_venv
 fi
-share=0
 if venv_complete; then
-    share=1
     # What it pins at .venv's version is linked from .venv, not copied (see the script).
     .venv/bin/python scripts/share_packages.py seed "$venv" "$requirements"
 fi
@@ -94,9 +92,8 @@ echo "Installing $name into $venv ($requirements)"
 "$venv/bin/pip" install --quiet --progress-bar off --no-deps -e .
 if [[ -n "${TRAINFLOW_SETUP_PID:-}" ]]; then
     wait_for_venv
-    share=1
 fi
-if [[ "$share" == 1 ]]; then
+if venv_complete; then
     .venv/bin/python scripts/share_packages.py link "$venv"
 fi
 "$venv/bin/python" -c "import trainflow._agent, trainflow._worker" \
