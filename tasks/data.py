@@ -46,6 +46,10 @@ def _retry_unless_bad_input(_task: Task, _run: TaskRun, state: State) -> bool:
     persist_result=True,
     retries=1,
     retry_condition_fn=_retry_unless_bad_input,
+    # `datasets` hashes the functions it maps with dill, which finds their globals by
+    # disassembling them into a captured stdout; a run's print-to-log would take that output
+    # (the bytecode showed in the run's log) and leave dill with nothing to read.
+    log_prints=False,
 )
 def _prepare_dataset(config: DataConfig, fingerprint: str | None = None) -> PreparedDataset:
     from trainflow.data.prepare import prepare_dataset as build_dataset

@@ -14,7 +14,7 @@ from prefect.client.schemas.filters import (
 
 from flows.prepare import _config_from_args, prepare
 from tests.conftest import flush_prefect_logs
-from tests.unit.conftest_data import tabular_config
+from tests.unit.conftest_data import TOKENIZER, chat_config, tabular_config
 from trainflow.data import DataError
 
 
@@ -55,6 +55,21 @@ def test_second_run_is_a_prefect_cache_hit_and_a_deleted_dataset_is_rebuilt(pref
     states, _ = _task_states_and_logs(third)
     assert states == ["Completed"] and not rebuilt.cache_hit
     assert (Path(rebuilt.uri) / "manifest.json").is_file()
+
+
+def test_a_dropping_transform_prints_no_bytecode_into_the_run_log(prefect_api, tmp_path):
+    """`overflow: drop` filters with a lambda; dill disassembles it to hash it, and under the
+    flow's print-to-log that disassembly used to land in the task's log."""
+    config = chat_config(
+        tmp_path,
+        transform={"name": "chat", "tokenizer": TOKENIZER, "max_length": 12, "overflow": "drop"},
+    )
+    state = prepare(config, return_state=True)
+    built = state.result()
+    _, logs = _task_states_and_logs(state)
+    assert built.splits["train"].num_dropped > 0  # the filter ran
+    assert f"built {built.uri}" in logs
+    assert "RETURN_VALUE" not in logs and "LOAD_FAST" not in logs
 
 
 def test_command_line_selects_a_preset_or_a_yaml_config(tmp_path):
