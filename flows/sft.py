@@ -27,6 +27,7 @@ from typing import Any
 from trainflow import tracking
 from trainflow.cli import pipeline_config, run_pipeline, start_ahead, start_launch_agent
 from trainflow.configs.sft import SFTConfig, SFTJob, load_sft_preset, sft_preset_names
+from trainflow.data import ahead as data_ahead
 from trainflow.memory import MemoryPlan, plan_sft, remember_shape
 from trainflow.workloads import WORKLOADS, record_checked_ahead
 
@@ -53,9 +54,14 @@ def _check_files(config: SFTConfig) -> None:
 
 def _start_agent(config: SFTConfig) -> Any:
     """The training launch's agent, started now (or the one already started for `config`),
-    asked to check `config` first (`sft_checks.check_ahead`)."""
+    asked to check `config` first (`sft_checks.check_ahead`), then to prepare its dataset,
+    where `datasets`, `streaming` and the tokenizer are imported for the ranks anyway
+    (`trainflow.data.ahead`: the prepare task waits for it)."""
     return start_launch_agent(
-        config, SFT.module, check=(f"{CHECKS}:check_ahead", config.model_dump(mode="json"))
+        config,
+        SFT.module,
+        check=(f"{CHECKS}:check_ahead", config.model_dump(mode="json")),
+        then=[data_ahead.prepare_call(config.data_config())],
     )
 
 
@@ -179,6 +185,8 @@ def _check_names(config: SFTConfig) -> None:
     if "failed" in outcome:
         raise RuntimeError(f"checking the config in the launch agent failed:\n{outcome['failed']}")
     found = outcome["value"]
+    data = config.data_config()
+    data_ahead.offer(data, functools.partial(ahead.outcome, data_ahead.prepare_call(data)))
     remember_shape(config.model, config.tokenizer_path(), found["shape"])
     for checked in found["checked"]:
         record_checked_ahead(SFT.name, SFTConfig.model_validate(checked))

@@ -7,7 +7,9 @@ published dataset was deleted since, the record is refreshed instead of returned
 
 The content fingerprint reads every source and tokenizer file, so `prepare_dataset` computes it
 once and hands it to the lookup, the cache key and the build. `trainflow.data.prepare` (which
-imports `datasets` and torch) is imported when the task runs, not when a flow module is.
+imports `datasets` and torch) is imported when the task runs, not when a flow module is. A
+pipeline whose launch agent prepares the dataset ahead (`trainflow.data.ahead`) has the task
+wait for it instead.
 """
 
 import hashlib
@@ -19,7 +21,7 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.context import TaskRunContext
 from prefect.states import State
 
-from trainflow.data import DataConfig, DataError, PreparedDataset
+from trainflow.data import DataConfig, DataError, PreparedDataset, ahead
 
 
 def _dataset_key(_: TaskRunContext, parameters: dict[str, Any]) -> str:
@@ -52,10 +54,20 @@ def _retry_unless_bad_input(_task: Task, _run: TaskRun, state: State) -> bool:
     log_prints=False,
 )
 def _prepare_dataset(config: DataConfig, fingerprint: str | None = None) -> PreparedDataset:
+    logger = get_run_logger()
+    result = ahead.take(config, fingerprint) if fingerprint is not None else None
+    if result is not None:
+        logger.info(
+            "%s %s in the launch's agent: %s",
+            "found" if result.cache_hit else "built",
+            result.uri,
+            {s: i.num_samples for s, i in result.splits.items()},
+        )
+        return result
+
     from trainflow.data.prepare import prepare_dataset as build_dataset
 
     result = build_dataset(config, fingerprint)
-    logger = get_run_logger()
     if result.cache_hit:
         logger.info("cache hit: %s was already published; nothing to do", result.uri)
     else:

@@ -147,45 +147,61 @@ def _warm_up(preload: list[str]) -> None:
                 print(f"standby agent: ran {ref} in {took:.1f}s", flush=True)
 
 
-def run_check(request: str) -> None:
-    """Run the check the caller asked for ahead, importing what it needs here.
+def _write_outcome(output: str, outcome: dict[str, object]) -> None:
+    path = Path(output)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(outcome))
+    os.replace(partial, path)
 
-    `request` is a JSON file: `function` (module:function, called with `argument`, a JSON
-    value) and `output`, where the outcome goes, written at once when complete: `value` (what
-    the check returned), `refused` (the message of the `ValueError` it raised: the config is
-    wrong) or `failed` (any other error's traceback).
+
+def run_calls(request: str) -> None:
+    """Run the calls the caller asked for ahead (a check first), importing what they need here.
+
+    `request` is a JSON file: a list of calls, each `function` (module:function, called with
+    `argument`, a JSON value) and `output`, where its outcome goes, written at once when
+    complete: `value` (what it returned), `refused` (the message of the `ValueError` it
+    raised: the config or data is wrong) or `failed` (any other error's traceback). After one
+    that does not return a value, the rest are `skipped`: the caller does them if it still
+    needs them.
     """
     try:
-        spec = json.loads(Path(request).read_text())
+        calls = json.loads(Path(request).read_text())
     except (OSError, ValueError) as exc:  # the caller went on without it
         print(f"standby agent: no check to run ({exc})", flush=True)
         return
-    try:
-        module, _, name = spec["function"].partition(":")
-        value = getattr(importlib.import_module(module), name)(spec["argument"])
-        outcome: dict[str, object] = {"value": value}
-    except ValueError as exc:
-        outcome = {"refused": str(exc)}
-    except Exception:
-        outcome = {"failed": traceback.format_exc()}
-    output = Path(spec["output"])
-    partial = output.with_name(output.name + ".partial")
-    partial.write_text(json.dumps(outcome))
-    os.replace(partial, output)
+    skip = None
+    for call in calls:
+        if skip is not None:
+            _write_outcome(call["output"], {"skipped": skip})
+            continue
+        started = time.monotonic()
+        try:
+            module, _, name = call["function"].partition(":")
+            value = getattr(importlib.import_module(module), name)(call["argument"])
+            outcome: dict[str, object] = {"value": value}
+        except ValueError as exc:
+            outcome = {"refused": str(exc)}
+        except Exception:
+            outcome = {"failed": traceback.format_exc()}
+        _write_outcome(call["output"], outcome)
+        took = time.monotonic() - started
+        print(f"standby agent: ran {call['function']} in {took:.1f}s", flush=True)
+        if "value" not in outcome:
+            skip = f"{call['function']} did not return a value"
 
 
 def standby(log: str, preload: list[str], check: str | None = None) -> int:
-    """Run the caller's `check` (`run_check`), import `preload`, then run the launch whose folder
-    the caller writes to stdin.
+    """Run the caller's calls ahead (`run_calls`), import `preload`, then run the launch whose
+    folder the caller writes to stdin.
 
     An import that fails here is left for the ranks, which raise it with their rank's context.
     Output so far (warnings of the imports) goes to the launch's agent log once it is known.
     """
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     if check is not None:
-        # First, with only what the check imports: the caller waits for its answer, not for
+        # First, with only what the calls import: the caller waits for their answers, not for
         # the ranks' libraries, and goes on while they load.
-        run_check(check)
+        run_calls(check)
     started = time.monotonic()
     imported: list[str] = []
     for name in preload:

@@ -14,7 +14,7 @@ import signal
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
@@ -454,19 +454,23 @@ def preload(*modules: str, launch_module: str | None = None) -> Callable[[Any], 
 
 
 def start_launch_agent(
-    config: Any, module: str, check: tuple[str, Any] | None = None
+    config: Any,
+    module: str,
+    check: tuple[str, Any] | None = None,
+    then: Sequence[tuple[str, Any]] = (),
 ) -> "AgentAhead":
     """Start the agent of the run's training launch now, importing the workload's `module`
     (`trainflow.launcher.standby`): ranks then start with it loaded. Not for runs that wait
     for rank slots (a sweep's trials). Returns the call that stops it if no launch used it;
     `run_pipeline` also stops it if the run never launches. `check` (`module:function`, a JSON
-    value) runs in the agent once its imports are done (`AgentAhead.check_outcome`)."""
+    value) runs in the agent first (`AgentAhead.check_outcome`), then the calls in `then`
+    (`AgentAhead.outcome`), before it imports the rest."""
     from trainflow.launcher import AgentAhead, standby
     from trainflow.resources import Resources
 
     if not isinstance(config, Resources) or getattr(config, "gpu_pool", None) is not None:
         return AgentAhead()
-    return standby(config.launch_options(), [module], check)
+    return standby(config.launch_options(), [module], check, then)
 
 
 def _usage_check(flow: Any, check: Callable[[Any], None] | None, config: Any) -> None:

@@ -814,7 +814,7 @@ class _Standby:
         start_method: str,
         preload: Sequence[str],
         python: str,
-        check: tuple[str, Any] | None = None,
+        calls: Sequence[tuple[str, Any]] = (),
     ):
         self.env = env  # what the launch adds to the caller's environment
         self.python = python
@@ -826,16 +826,21 @@ class _Standby:
         fd, log_path = tempfile.mkstemp(prefix=prefix, suffix=".log")
         os.close(fd)
         self.log = Path(log_path)
-        self.check = check
-        self.check_files: tuple[Path, Path] | None = None
-        self.outcome: dict[str, Any] | None = None  # once read
+        self.calls = list(calls)
+        self.request: Path | None = None
+        self.outputs: list[Path] = []
+        self.outcomes: dict[int, dict[str, Any] | None] = {}  # once read
         checking: list[str] = []
-        if check is not None:
+        if self.calls:
             fd, request = tempfile.mkstemp(prefix=prefix, suffix=".check.json")
-            output = Path(request).with_suffix(".out")
+            self.request = Path(request)
+            self.outputs = [self.request.with_suffix(f".{i}.out") for i in range(len(self.calls))]
+            spec = [
+                {"function": function, "argument": argument, "output": str(output)}
+                for (function, argument), output in zip(self.calls, self.outputs, strict=True)
+            ]
             with os.fdopen(fd, "w") as file:
-                json.dump({"function": check[0], "argument": check[1], "output": str(output)}, file)
-            self.check_files = (Path(request), output)
+                json.dump(spec, file)
             checking = ["--check", request]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
@@ -866,25 +871,27 @@ class _Standby:
         self.proc.stdin.close()
         return self.proc
 
-    def check_outcome(self, poll_s: float = 0.05) -> dict[str, Any] | None:
-        """The outcome of the check this agent runs once its imports are done (see
-        `trainflow._agent.run_check`), waited for; None if the agent exited before it wrote
-        one (the caller then checks itself)."""
-        if self.check_files is None or self.outcome is not None:
-            return self.outcome
-        request, output = self.check_files
+    def outcome(self, index: int, poll_s: float = 0.05) -> dict[str, Any] | None:
+        """The outcome of call `index` of those this agent runs before its imports (see
+        `trainflow._agent.run_calls`), waited for; None if the agent exited before it wrote
+        one, or skipped it after an earlier call's refusal (the caller then does it itself)."""
+        if index in self.outcomes:
+            return self.outcomes[index]
+        output = self.outputs[index]
         while not output.exists():
             if self.proc.poll() is not None and not output.exists():
                 return None
             time.sleep(poll_s)
-        self.outcome = json.loads(output.read_text())
-        self._remove_check_files()
-        return self.outcome
+        outcome = json.loads(output.read_text())
+        output.unlink(missing_ok=True)
+        self.outcomes[index] = None if "skipped" in outcome else outcome
+        if len(self.outcomes) == len(self.calls) and self.request is not None:
+            self.request.unlink(missing_ok=True)
+        return self.outcomes[index]
 
     def _remove_check_files(self) -> None:
-        if self.check_files is not None:
-            for path in self.check_files:
-                path.unlink(missing_ok=True)
+        for path in [*self.outputs, *([self.request] if self.request else [])]:
+            path.unlink(missing_ok=True)
 
     def discard(self) -> None:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
@@ -902,9 +909,10 @@ _standbys_lock = threading.Lock()
 
 class AgentAhead:
     """What `standby` returns: call it to stop the agent if no launch has used it;
-    `check_outcome()` waits for the check it was asked to run ahead."""
+    `check_outcome()` waits for the check it was asked to run ahead, `outcome(call)` for any
+    of the calls."""
 
-    def __init__(self, agent: _Standby | None = None, check: tuple[str, Any] | None = None):
+    def __init__(self, agent: _Standby | None = None, check: tuple[str, Any] | None = None) -> None:
         self._agent = agent
         self._check = check
 
@@ -919,17 +927,26 @@ class AgentAhead:
         agent.discard()
 
     def check_outcome(self) -> dict[str, Any] | None:
-        """The outcome of the check (`trainflow._agent.run_check`): `value`, `refused` or
-        `failed`. None when no agent ran it (none was started: a remote launch,
-        TRAINFLOW_STANDBY=0; an agent started earlier for another check; an agent that
-        exited first): the caller runs the check itself."""
-        if self._agent is None or self._check is None or self._agent.check != self._check:
+        """The outcome of the check: see `outcome`."""
+        return None if self._check is None else self.outcome(self._check)
+
+    def outcome(self, call: tuple[str, Any]) -> dict[str, Any] | None:
+        """The outcome of `call`, one of those the agent was asked to run ahead
+        (`trainflow._agent.run_calls`): `value`, `refused` or `failed`. None when no agent ran
+        it (none was started: a remote launch, TRAINFLOW_STANDBY=0; an agent started earlier
+        for other calls; an agent that exited first, or skipped it after an earlier call's
+        refusal): the caller does it itself."""
+        agent = self._agent
+        if agent is None or call not in agent.calls:
             return None
-        return self._agent.check_outcome()
+        return agent.outcome(agent.calls.index(call))
 
 
 def standby(
-    options: LaunchOptions, preload: Sequence[str] = (), check: tuple[str, Any] | None = None
+    options: LaunchOptions,
+    preload: Sequence[str] = (),
+    check: tuple[str, Any] | None = None,
+    then: Sequence[tuple[str, Any]] = (),
 ) -> AgentAhead:
     """Start the agent of a launch with `options` now, importing `preload` (module names).
 
@@ -942,7 +959,10 @@ def standby(
     `check`, (`module:function`, a JSON value): a check the agent runs once its imports are
     done, before any launch claims it, where the workload's libraries are loaded (the model
     built on the meta device, a config read with transformers): the caller's process need not
-    import them. `AgentAhead.check_outcome` gives what it found.
+    import them. `AgentAhead.check_outcome` gives what it found. `then`: more such calls, run
+    in order after the check and before the imports (an SFT run's dataset, prepared where
+    `datasets` and `streaming` will be imported anyway); `AgentAhead.outcome(call)` gives each
+    one's outcome. After a call that does not return a value, the rest are skipped.
 
     A process that leads follower nodes (`trainflow.follow`) starts its launch board here for a
     multi-node launch, TRAINFLOW_STANDBY=0 or not: its followers wait for it.
@@ -958,7 +978,8 @@ def standby(
     with _standbys_lock:
         agent = next((a for a in _standbys if a.fits(env, method, python)), None)
         if agent is None:
-            agent = _Standby(env, method, preload, python, check)
+            calls = [*([check] if check is not None else []), *then]
+            agent = _Standby(env, method, preload, python, calls)
             _standbys.append(agent)
     return AgentAhead(agent, check)
 

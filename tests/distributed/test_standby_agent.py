@@ -179,6 +179,26 @@ def test_a_check_that_refuses_the_config_says_why_and_one_that_breaks_gives_its_
     assert not list(Path(tempfile.gettempdir()).glob(f"trainflow-standby-{os.getpid()}-*"))
 
 
+def test_calls_after_the_check_run_in_order_before_the_imports_and_stop_at_a_refusal():
+    check = ("tests.distributed.test_standby_agent:imported", "tests.unit.conftest_data")
+    then = [("json:loads", "[2]"), ("tests.distributed.test_standby_agent:imported", "streaming")]
+    agent = standby(OPTIONS, ["tests.unit.conftest_data"], check=check, then=then)
+    # Asked in any order, each call's own outcome; all ran before the preload was imported.
+    assert agent.outcome(then[1]) == {"value": False}
+    assert agent.outcome(then[0]) == {"value": [2]}
+    assert agent.check_outcome() == {"value": False}
+    assert agent.outcome(("json:loads", "[3]")) is None  # not asked of this agent
+    agent()
+
+    refused = standby(OPTIONS, [], check=("json:loads", "not json"), then=then)
+    assert "refused" in refused.check_outcome()
+    assert refused.outcome(then[0]) is None  # skipped: the caller does it, if it still wants it
+    assert refused.outcome(then[1]) is None
+    refused()
+    assert _standby_pids() == []
+    assert not list(Path(tempfile.gettempdir()).glob(f"trainflow-standby-{os.getpid()}-*"))
+
+
 def test_without_an_agent_the_caller_is_told_to_check_itself(monkeypatch):
     monkeypatch.setenv("TRAINFLOW_STANDBY", "0")
     ahead = standby(OPTIONS, [], check=("json:loads", "[1]"))

@@ -2,6 +2,7 @@
 shipped instruction data, a temporary MLflow store; and a run whose rank dies mid-training."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,12 +104,9 @@ def test_pipeline_registers_with_lineage_and_gates_the_alias(
 def test_the_pipeline_process_loads_no_model_and_imports_no_training_stack(prefect_api):
     """The checks that need transformers run in the launch's agent, which imports it for the
     ranks anyway, and rank 0 evaluates and logs the model after training: the process that
-    runs the flow only registers what rank 0 logged. (Preparing data that is not cached yet
-    imports the data stack; here it is prepared first, as for any run after the first.)"""
-    from trainflow.configs.sft import load_sft_preset
-    from trainflow.data import prepare_dataset
-
-    prepare_dataset(load_sft_preset("debug_cpu").data_config())
+    runs the flow only registers what rank 0 logged. The dataset, not prepared yet in this
+    test's home, is built by the agent too, where the data stack is imported for the ranks;
+    the prepare task waits for it."""
     args = [*SHORT, "--registered-model-name", "sft-light"]
     code = (
         "import sys\n"
@@ -126,6 +124,9 @@ def test_the_pipeline_process_loads_no_model_and_imports_no_training_stack(prefe
         line.split(" ", 1) for line in out.stdout.splitlines() if line[:4] in ("HEAV", "RUN ")
     )
     assert said["HEAVY"] == "[]"
+    assert re.search(
+        r"prepare-dataset-\w+' - built \S+ in the launch's agent", out.stderr + out.stdout
+    )
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     version = client.get_model_version("sft-light", "1")
     assert version.run_id == said["RUN"] and version.source.startswith("models:/m-")

@@ -254,3 +254,9 @@ def prepare_dataset(config: DataConfig, fingerprint: str | None = None) -> Prepa
             }
     logger.info("published %s", uri)
     return _result(uri, manifest, cache_hit=False)
+
+
+def prepare_ahead(config: dict[str, Any]) -> dict[str, Any]:
+    """`prepare_dataset` for a launch's standby agent, JSON in and out
+    (`trainflow.data.ahead`). A `DataError` (a `ValueError`) is the agent's `refused`."""
+    return prepare_dataset(DataConfig.model_validate(config)).model_dump(mode="json")
