@@ -190,6 +190,10 @@ def run_calls(request: str) -> None:
             skip = f"{call['function']} did not return a value"
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def standby(log: str, preload: list[str], check: str | None = None) -> int:
     """Run the caller's calls ahead (`run_calls`), import `preload`, then run the launch whose
     folder the caller writes to stdin.
@@ -200,8 +204,14 @@ def standby(log: str, preload: list[str], check: str | None = None) -> int:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     if check is not None:
         # First, with only what the calls import: the caller waits for their answers, not for
-        # the ranks' libraries, and goes on while they load.
-        run_calls(check)
+        # the ranks' libraries, and goes on while they load. A caller that stops meanwhile
+        # (Ctrl-C) sends SIGTERM first: a call writing files (a dataset's staging folder)
+        # removes them on its way out.
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            run_calls(check)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     started = time.monotonic()
     imported: list[str] = []
     for name in preload:

@@ -893,10 +893,16 @@ class _Standby:
         for path in [*self.outputs, *([self.request] if self.request else [])]:
             path.unlink(missing_ok=True)
 
-    def discard(self) -> None:
+    def discard(self, grace_s: float = 3.0) -> None:
+        """Stop the agent: SIGTERM, which lets a call it runs ahead clean up (a dataset's
+        staging folder), then SIGKILL to what is left of its group after `grace_s`."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace_s)
         kill_process_group(self.proc.pid)
         self.proc.wait()
         self.log.unlink(missing_ok=True)

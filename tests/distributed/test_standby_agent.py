@@ -199,6 +199,33 @@ def test_calls_after_the_check_run_in_order_before_the_imports_and_stop_at_a_ref
     assert not list(Path(tempfile.gettempdir()).glob(f"trainflow-standby-{os.getpid()}-*"))
 
 
+def writes_until_stopped(marker: str) -> None:
+    """A call for the agent that leaves a file only while it runs, as a dataset's build
+    leaves its staging folder."""
+    path = Path(marker)
+    path.write_text(str(os.getpid()))
+    try:
+        time.sleep(60)
+    finally:
+        path.unlink()
+
+
+def test_an_agent_stopped_mid_call_lets_the_call_clean_up(tmp_path):
+    marker = tmp_path / "staging"
+    call = ("tests.distributed.test_standby_agent:writes_until_stopped", str(marker))
+    agent = standby(OPTIONS, [], check=("json:loads", "[1]"), then=[call])
+    assert agent.check_outcome() == {"value": [1]}
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(marker.read_text())
+    started = time.monotonic()
+    agent()  # the pipeline ends (Ctrl-C) while the agent still prepares
+    assert time.monotonic() - started < 3  # SIGTERM was enough: no wait for the SIGKILL
+    assert not marker.exists() and not psutil.pid_exists(pid)
+    assert _standby_pids() == []
+
+
 def test_without_an_agent_the_caller_is_told_to_check_itself(monkeypatch):
     monkeypatch.setenv("TRAINFLOW_STANDBY", "0")
     ahead = standby(OPTIONS, [], check=("json:loads", "[1]"))
