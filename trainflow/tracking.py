@@ -5,10 +5,13 @@ store created by several ranks at once races); ranks receive only the run id and
 buffered sink, so a training step never waits on a tracking-server round trip.
 """
 
+import atexit
 import contextlib
 import json
 import os
+import queue
 import socket
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -17,6 +20,7 @@ from typing import Any, Protocol
 from trainflow.paths import safe_name
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+MAX_METRICS_PER_BATCH = 1000  # the most one `log_batch` call takes
 
 
 def tracking_uri() -> str:
@@ -94,11 +98,16 @@ class NullSink:
 
 
 class MlflowSink:
-    """Sends metrics to an existing MLflow run with MLflow's asynchronous logging.
+    """Sends metrics to an existing MLflow run from a writer thread.
 
-    MLflow queues the calls and batches them in a background thread, so a training step seldom
-    waits on the tracking store; `flush` waits until everything logged so far is stored, and
-    happens by itself every `flush_every` calls so the pending operations stay bounded.
+    `log` only queues a step's metrics; the thread stores everything queued since its last
+    write in one `log_batch`, so a training step seldom waits on the tracking store. `flush`
+    waits until everything logged so far is stored and raises what storing it raised; `log`
+    flushes by itself when `flush_every` calls are waiting, so the backlog stays bounded.
+
+    MLflow's own asynchronous logging (`synchronous=False`) queues the same way, but ending a
+    run once it was used waits for its thread's next queue poll, up to a second: once in rank
+    0 after training and once in the pipeline's process, on every run.
     """
 
     def __init__(self, run_id: str, flush_every: int = 100):
@@ -108,19 +117,54 @@ class MlflowSink:
         self.run_id = run_id
         self.client = _client()
         self.flush_every = flush_every
-        self.pending: list[Any] = []
+        self._queue: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+        self._stored = threading.Condition()
+        self._logged = self._written = 0
+        self._error: Exception | None = None
+        self._writer: threading.Thread | None = None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
-        batch = [self._metric(k, float(v), now, step) for k, v in metrics.items()]
-        self.pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
-        if len(self.pending) >= self.flush_every:
+        self._queue.put([self._metric(k, float(v), now, step) for k, v in metrics.items()])
+        with self._stored:
+            self._logged += 1
+            waiting = self._logged - self._written
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write, name="mlflow-sink", daemon=True)
+            self._writer.start()
+            atexit.register(self._flush_at_exit)
+        if waiting >= self.flush_every:
             self.flush()
 
     def flush(self) -> None:
-        pending, self.pending = self.pending, []
-        for operation in pending:
-            operation.wait()
+        with self._stored:
+            self._stored.wait_for(lambda: self._written >= self._logged)
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _flush_at_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            self.flush()
+
+    def _write(self) -> None:
+        while True:
+            batches = [self._queue.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batches.append(self._queue.get_nowait())
+            metrics = [metric for batch in batches for metric in batch]
+            error = None
+            try:
+                for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+                    chunk = metrics[start : start + MAX_METRICS_PER_BATCH]
+                    self.client.log_batch(self.run_id, metrics=chunk)
+            except Exception as exc:  # raised to the caller by its next flush
+                error = exc
+            with self._stored:
+                self._written += len(batches)
+                self._error = self._error or error
+                self._stored.notify_all()
 
 
 def warm_model_logging() -> None:
@@ -513,9 +557,11 @@ def run_status(run_id: str) -> str:
 
 def log_metrics(run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
     """Log a few final metrics (evaluation results) to a run from the orchestrator."""
-    sink = MlflowSink(run_id)
-    sink.log(step, metrics)
-    sink.flush()
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    batch = [Metric(key, float(value), now, step) for key, value in metrics.items()]
+    _client().log_batch(run_id, metrics=batch)
 
 
 def register_pytorch_model(
