@@ -364,8 +364,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         prog="python -m flows.local_server",
         description="make-template: migrate the empty Prefect database that temporary servers "
-        "on a new home start from (scripts/setup.sh runs it once per environment).",
+        "on a new home start from, and build MLflow's map of installed packages that rank 0 "
+        "reads when it logs a model (scripts/setup.sh runs it once per environment).",
     )
     parser.add_argument("command", choices=["make-template"])
     parser.parse_args()
     print(f"Prefect database template: {make_database_template()}")
+    from trainflow.tracking import package_map_file, warm_model_logging
+
+    warm_model_logging()
+    print(f"MLflow's map of installed packages: {package_map_file()}")

@@ -11,6 +11,7 @@ import json
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -175,8 +176,8 @@ def warm_model_logging() -> None:
     that rank 0, forked from it, logs its model without building the map again.
 
     The map depends only on what is installed: it is kept on disk (`package_map_file`) and
-    read back by later runs in the same environment. It is internal to MLflow: if it is not
-    there, nothing is done."""
+    read back by later runs in the same environment; the install builds it, so a first run
+    reads it too. It is internal to MLflow: if it is not there, nothing is done."""
     try:
         from mlflow.utils import requirements_utils
     except ImportError:
@@ -199,21 +200,33 @@ def warm_model_logging() -> None:
 
 
 def package_map_file() -> Path:
-    """Where MLflow's map of installed packages to modules is kept for this environment: the
-    name changes with the interpreter and with anything installed, upgraded or removed (the
-    names of the distributions' metadata folders carry their versions)."""
+    """Where MLflow's map of installed packages to modules is kept for this environment
+    (`package_map_folder`): the name changes with the interpreter and with anything
+    installed, upgraded or removed (the names of the distributions' metadata folders carry
+    their versions, on every `sys.path` entry, the working directory as an absolute path)."""
     import hashlib
-    import sys
-
-    from trainflow.paths import trainflow_home
 
     digest = hashlib.sha256(sys.prefix.encode())
     for entry in sys.path:
+        folder = os.path.abspath(entry or ".")
         with contextlib.suppress(OSError):
-            for name in sorted(os.listdir(entry or ".")):
+            for name in sorted(os.listdir(folder)):
                 if name.endswith((".dist-info", ".egg-info", ".egg-link", ".pth")):
-                    digest.update(f"{entry}/{name}".encode())
-    return trainflow_home() / "cache" / f"mlflow-package-map-{digest.hexdigest()[:16]}.json"
+                    digest.update(f"{folder}/{name}".encode())
+    return package_map_folder() / f"mlflow-package-map-{digest.hexdigest()[:16]}.json"
+
+
+def package_map_folder() -> Path:
+    """The environment's own folder (`<sys.prefix>/share/trainflow`, where the install builds
+    the map: `python -m flows.local_server make-template`) where it can be written, else the
+    cache under `trainflow_home()`."""
+    from trainflow.paths import trainflow_home
+
+    shared = Path(sys.prefix) / "share" / "trainflow"
+    nearest = next(p for p in (shared, *shared.parents) if p.exists())
+    if os.access(nearest, os.W_OK):
+        return shared
+    return trainflow_home() / "cache"
 
 
 PROGRESS_FILE = "progress.json"
