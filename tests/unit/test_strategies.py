@@ -4,6 +4,7 @@ Every invalid config here fails while it is parsed or checked in the caller: no 
 """
 
 import json
+import os
 
 import pytest
 from pydantic import ValidationError
@@ -239,3 +240,36 @@ def test_a_workload_checked_ahead_is_not_built_again_before_launch(tmp_path):
             DDPConfig(),
             Resources(gpus=2, gpu_type="cpu"),
         )
+
+
+@pytest.mark.parametrize(
+    ("listed", "readable"),
+    [
+        ("8.0;9.0a", "8.0;9.0"),
+        ("9.0a+PTX 10.0f", "9.0+PTX;10.0"),
+        ("8.0 8.6 9.0", "8.0;8.6;9.0"),
+        ("9.0;9.0a", "9.0"),
+    ],
+)
+def test_arch_specific_targets_become_ones_deepspeed_reads(listed, readable):
+    from trainflow.strategies.deepspeed import readable_arch_list
+
+    assert readable_arch_list(listed) == readable
+
+
+def test_deepspeed_builds_its_fused_adam_flags_from_an_image_arch_list(monkeypatch):
+    """DeepSpeed's own CUDA op builder, which reads the list without touching a GPU: it fails
+    on a CUDA image's `9.0a` as it is, and takes the list `prepare_compiled_ops` leaves."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    from trainflow.strategies.deepspeed import prepare_compiled_ops
+
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    with pytest.raises(ValueError, match="0a"):
+        builder.compute_capability_args()
+    prepare_compiled_ops("cuda")
+    builder.compute_capability_args()
+    assert builder.enable_bf16
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX"

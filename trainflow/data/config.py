@@ -331,6 +331,13 @@ class LoaderConfig(_Model):
     shuffle: bool = Field(True, description="Shuffle samples each epoch (deterministic in seed).")
     seed: int = Field(0, description="Shuffle seed; the same seed gives the same order.")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    prefetch: int = Field(
+        2,
+        ge=0,
+        description="Batches a background thread reads ahead while the rank trains (0: read "
+        "each batch when the loop asks for it). Worker processes (num_workers) read ahead "
+        "themselves instead.",
+    )
     drop_last: bool = Field(False, description="Drop each rank's last incomplete batch.")
     num_canonical_nodes: int | None = Field(
         None,

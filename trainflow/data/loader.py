@@ -15,7 +15,9 @@ the same global order. No Prefect here: this runs on every rank.
 import json
 import logging
 import os
+import queue
 import shutil
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -95,8 +97,102 @@ class _CheckedStreamingDataset(StreamingDataset):
             ) from error
 
 
+class _ReadAhead:
+    """Iterate `source` in a daemon thread, at most `depth` items ahead of the consumer.
+
+    An error in the thread is raised to the consumer at the item where it happened. `close`
+    (also when the consumer stops early: the Trainer leaves an epoch at `max_steps`) stops
+    the thread after the item it is reading.
+    """
+
+    _END = object()
+
+    def __init__(self, source: Iterator[Any], depth: int) -> None:
+        self._items: queue.Queue[tuple[Any, BaseException | None]] = queue.Queue(depth)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(
+            target=self._fill, args=(source,), name="trainflow-read-ahead", daemon=True
+        )
+        self._thread.start()
+
+    def _fill(self, source: Iterator[Any]) -> None:
+        try:
+            for item in source:
+                if not self._put((item, None)):
+                    return
+            self._put((self._END, None))
+        except BaseException as error:  # handed to the consumer, raised there
+            self._put((self._END, error))
+
+    def _put(self, entry: tuple[Any, BaseException | None]) -> bool:
+        while not self._closed.is_set():
+            try:
+                self._items.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            item, error = self._items.get()
+            if error is not None:
+                raise error
+            if item is self._END:
+                return
+            yield item
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5.0)
+
+
 class ResumableLoader(StreamingDataLoader):
-    """`StreamingDataLoader` that refuses a resume state it would silently ignore."""
+    """`StreamingDataLoader` that reads ahead in a thread and refuses a resume state it would
+    silently ignore.
+
+    With `prefetch` > 0 (and no worker processes) a background thread reads and collates the
+    next `prefetch` batches while the caller trains on the current one: the shard reads, the
+    decoding and the padding run while the training thread waits on its collectives or runs
+    backward (which releases the GIL), instead of in front of each step. The order is the same
+    and `state_dict` counts only the batches handed out, so a resume continues right after the
+    last batch trained on, not after the ones read ahead.
+    """
+
+    def __init__(self, *args: Any, prefetch: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefetch = prefetch
+        self._started: _ReadAhead | None = None
+
+    def _reads_ahead(self) -> bool:
+        return self.prefetch > 0 and self.num_workers == 0
+
+    def start_reading(self) -> None:
+        """Begin the next epoch's read-ahead now, for the next `iter(loader)` to pick up.
+
+        Opening an epoch (streaming's partition and shard setup) and its first batches then
+        overlap whatever the rank does before it trains (building its Trainer, wrapping the
+        model) instead of delaying the first step. Call it right before handing the loader to
+        the training loop: the epoch counts as started from here on (`state_dict`). A no-op
+        without read-ahead, or when an epoch's read-ahead is already waiting.
+        """
+        if self._reads_ahead() and self._started is None:
+            self._started = _ReadAhead(super(StreamingDataLoader, self).__iter__(), self.prefetch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self._reads_ahead():
+            yield from super().__iter__()
+            return
+        self.num_samples_yielded = 0
+        self.start_reading()
+        ahead, self._started = self._started, None
+        assert ahead is not None
+        try:
+            for batch in ahead:
+                self.num_samples_yielded += self._get_batch_size(batch)
+                yield batch
+        finally:
+            ahead.close()
 
     def load_state_dict(self, obj: dict[str, Any]) -> None:
         """Resume at `obj['sample_in_epoch']` of `obj['epoch']` on the next iteration.
@@ -257,6 +353,7 @@ def build_dataloader(
         num_workers=config.num_workers,
         drop_last=config.drop_last,
         collate_fn=collate_fn or PadCollate(),
+        prefetch=config.prefetch,
     )
     if state is not None:
         loader.load_state_dict(state)

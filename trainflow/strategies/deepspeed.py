@@ -10,6 +10,8 @@ The same JSON drives the Hugging Face Trainer (`deepspeed=`) and Lightning's
 
 import contextlib
 import logging
+import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,17 +27,52 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy
 
 
-def disable_compiled_ops_on_cpu(device_type: str) -> None:
-    """Tell DeepSpeed that no compiled op is available, off CUDA (call before it starts).
+_ARCH = re.compile(r"(\d+)\.(\d+)[a-z]*(\+PTX)?")
 
-    No DeepSpeed op is needed there (torch's AdamW, gloo). Saying none is available stops each
-    rank probing compilers for every op (~10 s) and JIT-building a shared-memory all-reduce
-    (minutes on a cold cache).
+
+def readable_arch_list(value: str) -> str:
+    """`TORCH_CUDA_ARCH_LIST` as DeepSpeed's op builder can read it: `major.minor[+PTX]`.
+
+    torch accepts architecture-specific targets such as `9.0a` (Hopper's wgmma) or `10.0f`,
+    and CUDA images set them; DeepSpeed's JIT builder parses every entry as integers and fails
+    on them (`invalid literal for int() with base 10: '0a'`) when it builds an op (fused
+    Adam). Each such entry becomes its plain target (`9.0a` -> `9.0`), which DeepSpeed's
+    kernels need no more than; duplicates go, the order stays. Entries it cannot read at all
+    are left for DeepSpeed to name.
+    """
+    entries: list[str] = []
+    for entry in value.replace(" ", ";").split(";"):
+        entry = entry.strip()
+        if not entry:
+            continue
+        match = _ARCH.fullmatch(entry)
+        if match is not None:
+            entry = f"{match[1]}.{match[2]}{match[3] or ''}"
+        if entry not in entries:
+            entries.append(entry)
+    return ";".join(entries)
+
+
+def prepare_compiled_ops(device_type: str) -> None:
+    """Set DeepSpeed up for its compiled ops before it starts, on this rank.
+
+    - Off CUDA, tell it that no compiled op is available: none is needed there (torch's AdamW,
+      gloo), and saying so stops each rank probing compilers for every op (~10 s) and
+      JIT-building a shared-memory all-reduce (minutes on a cold cache).
+    - On CUDA, rewrite a `TORCH_CUDA_ARCH_LIST` its op builder cannot read
+      (`readable_arch_list`), so that fused Adam builds on images that list `9.0a`.
     """
     if device_type != "cuda":
         import deepspeed
 
         deepspeed.ops.__compatible_ops__ = {}
+        return
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if value and (readable := readable_arch_list(value)) != value:
+        logging.getLogger(__name__).info(
+            "TORCH_CUDA_ARCH_LIST %r -> %r for DeepSpeed's op builder", value, readable
+        )
+        os.environ["TORCH_CUDA_ARCH_LIST"] = readable
 
 
 class DeepSpeedStrategy(Strategy):
@@ -56,7 +93,7 @@ class DeepSpeedStrategy(Strategy):
         from deepspeed.utils import logger
 
         logger.setLevel(logging.WARNING)
-        disable_compiled_ops_on_cpu(self.device.type)
+        prepare_compiled_ops(self.device.type)
         ds_config = self._json(micro_batch_size, grad_accum_steps, optimizer, self.device.type)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config
@@ -89,7 +126,7 @@ class DeepSpeedStrategy(Strategy):
         layer_classes: list[str],
         device_type: str,
     ) -> dict[str, Any]:
-        disable_compiled_ops_on_cpu(device_type)
+        prepare_compiled_ops(device_type)
         return {
             "deepspeed": self._json(micro_batch_size, grad_accum_steps, optimizer, device_type),
             "bf16": self.config.mixed_precision == "bf16",
@@ -101,6 +138,7 @@ class DeepSpeedStrategy(Strategy):
         from lightning.pytorch.plugins.precision import DeepSpeedPrecision
         from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
+        prepare_compiled_ops(self.device.type)
         config = self._json(micro_batch_size, grad_accum_steps, optimizer, self.device.type)
         # Lightning sets this from Trainer(accumulate_grad_batches=...) and refuses it in the
         # JSON; DeepSpeed still checks train_batch_size, so a Trainer that disagrees fails.

@@ -652,6 +652,13 @@ def train(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(config.tokenizer_path())
+    resume = checkpoint.resolve(resume_from)
+    loader = train_loader(
+        job, tokenizer.pad_token_id, read_data_state(resume) if resume is not None else None
+    )
+    # The epoch opens (streaming waits for every rank of the node, then lays out their
+    # partitions) and its first batches are read while the model is built and wrapped.
+    loader.start_reading()
     model = load_training_model(config, tokenizer, strategy.device.type, seed=config.training.seed)
     if runtime.is_rank_zero() and is_tiny(config.model):
         model.save_pretrained(initial_model_dir(out))
@@ -667,10 +674,6 @@ def train(
     # the rows it trains on come from this rank's loader, through `get_train_dataloader`.
     columns = datasets.Dataset.from_dict(
         {"input_ids": [[tokenizer.pad_token_id]], "labels": [[-100]]}
-    )
-    resume = checkpoint.resolve(resume_from)
-    loader = train_loader(
-        job, tokenizer.pad_token_id, read_data_state(resume) if resume is not None else None
     )
     durable = DurableCallback(loader, config.checkpoint_every > 0, strategy.name)
     trainer = _on_rank(SFTTrainer, loader, meter)(
