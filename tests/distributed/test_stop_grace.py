@@ -249,3 +249,28 @@ def test_stop_file_stops_the_launch_as_a_preemption_that_is_not_retried(tmp_path
     assert stopped["stopped_0"][0] == stopped["stopped_1"][0]  # the same step
     assert elapsed < 60
     _assert_no_survivors(_pids(tmp_path))
+
+
+@distributed(gpus=2, gpu_type="cpu", timeout=120, init_process_group=True)
+def stop_asked_on_rank_1(step_s: float, ask_at: int) -> int:
+    """Train steps of `step_s`; rank 1 alone is asked to stop at the end of step `ask_at`.
+    Returns the step this rank stopped at."""
+    rank = runtime.get_global_rank()
+    for step in range(1, 100):
+        time.sleep(step_s)
+        if rank == 1 and step == ask_at:
+            runtime.request_stop()
+        if runtime.should_stop():
+            return step
+    return -1
+
+
+@pytest.mark.parametrize(
+    ("step_s", "stops_at"),
+    [(0.01, 6), (runtime.STOP_CHECK_WAIT_STEP_S + 0.05, 5)],
+    ids=["short steps: one step later", "long steps: at once"],
+)
+def test_ranks_agree_on_the_stop_step_with_the_check_beside_short_steps(step_s, stops_at):
+    """Short steps leave each stop check in flight and read it a step later; long ones wait
+    for it. Either way every rank stops at the same step."""
+    assert stop_asked_on_rank_1.distributed(step_s, 5) == [stops_at, stops_at]
