@@ -186,11 +186,13 @@ STOP_CHECK_WAIT_STEP_S = 0.2
 
 
 class _StopChecks:
-    """The stop checks of one process group: the latest agreed result, and one in flight."""
+    """The stop checks of one process group: whether the next one waits, and one in flight."""
 
     def __init__(self) -> None:
-        self.agreed: torch.Tensor | None = None  # [any rank stopping, any rank's step slow]
-        self.in_flight: tuple[Any, torch.Tensor] | None = None
+        # Agreed by every rank from the last result: the first check, and any after a long
+        # step, wait for their own all-reduce.
+        self.wait = True
+        self.in_flight: tuple[Any, torch.Tensor] | None = None  # [any stopping, any slow]
         self.checked_at: float | None = None
 
     def check(self, group: Any) -> bool:
@@ -198,16 +200,16 @@ class _StopChecks:
         if self.in_flight is not None:
             work, flags = self.in_flight
             work.wait()
-            self.agreed, self.in_flight = flags, None
-            answer = bool(flags[0])
+            self.in_flight = None
+            answer, self.wait = bool(flags[0]), bool(flags[1])
         now = time.monotonic()
         slow = self.checked_at is None or now - self.checked_at >= STOP_CHECK_WAIT_STEP_S
         self.checked_at = now
         flags = torch.tensor([int(_stop_requested), int(slow)], dtype=torch.int32)
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        if self.agreed is None or bool(self.agreed[1]):
-            work.wait()  # the first check, or steps long enough that a wait is nothing
-            self.agreed = flags
+        if self.wait:
+            work.wait()
+            self.wait = bool(flags[1])
             return answer or bool(flags[0])
         self.in_flight = (work, flags)
         return answer
