@@ -33,8 +33,8 @@ from trainflow.configs.frameworks import (
 )
 from trainflow.data import PreparedDataset
 from trainflow.gate import gate_failures
+from trainflow.launch.plan import check_cpu_oversubscription
 from trainflow.paths import run_output_dir
-from trainflow.resources import check_cpu_oversubscription
 
 SUMMARY_METRICS = [
     "train_loss",
@@ -81,7 +81,7 @@ def check_setup(framework: Framework, config: FrameworkConfig) -> FrameworkConfi
 def check_environment(framework: Framework, config: FrameworkConfig) -> str:
     """The environment can start our ranks (torch and trainflow import there); its versions."""
     from trainflow.errors import LaunchConfigError
-    from trainflow.launcher import check_interpreter
+    from trainflow.launch.environment import check_interpreter
 
     try:
         return check_interpreter(str(config.interpreter(framework)))
@@ -208,7 +208,7 @@ def _train_with_framework(
     """One launch of the framework on every rank; rank 0's report. Retried (`--retries`) after
     a failure a relaunch can fix (a killed rank, a lost peer, a hang, a timeout); each attempt
     trains from the start, with no half-saved model of an earlier one left behind."""
-    from trainflow.prefect_adapter import launch_logged
+    from trainflow.launch.backends import launch_logged
 
     shutil.rmtree(model_dir, ignore_errors=True)
     values = launch_logged(rank_train, (config_file, overrides), {}, options).values

@@ -6,10 +6,10 @@ at once, and the flow engine then retries its state updates against it for minut
 process killed outright leaves it behind, still listening.
 
 `local_prefect_server` starts the same server (Prefect's own uvicorn command and settings,
-database under `PREFECT_HOME`) under `trainflow._guard`, in a session of its own: it never gets
-the terminal's signals, so the flow can still record how it ended, and the guard stops it when
-the flow's process dies. This process and its children are pointed at it (the in-process
-settings and `PREFECT_API_URL`), and it is stopped when the context exits.
+database under `PREFECT_HOME`) under `trainflow.launch.guard`, in a session of its own: it
+never gets the terminal's signals, so the flow can still record how it ended, and the guard
+stops it when the flow's process dies. This process and its children are pointed at it (the
+in-process settings and `PREFECT_API_URL`), and it is stopped when the context exits.
 
 A server on a new SQLite database first migrates it: about 6 s of the 9 s a first run's server
 takes to answer on 2 cores. The install migrates one empty database per environment and
@@ -35,6 +35,8 @@ import prefect
 from prefect.logging import get_logger
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
+from trainflow.compat import prefect as prefect_compat
+
 STOP_WAIT_S = 10.0
 STARTUP_TIMEOUT_S = 90.0  # unless PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is set
 _START_ATTEMPTS = 3
@@ -57,7 +59,7 @@ def _server_command(port: int) -> list[str]:
         "--app-dir",
         str(prefect.__module_path__.parent),
         "--factory",
-        "prefect.server.api.server:create_app",
+        prefect_compat.SERVER_APP_FACTORY,
         "--host",
         "127.0.0.1",
         "--port",
@@ -80,8 +82,7 @@ def _server_env() -> dict[str, str]:
         "PREFECT_SERVER_MEMOIZE_BLOCK_AUTO_REGISTRATION": "0",
         **os.environ,
         "PREFECT_UI_ENABLED": "0",
-        "PREFECT__SERVER_EPHEMERAL": "1",
-        "PREFECT__SERVER_FINAL": "1",
+        **prefect_compat.temporary_server_env(),
         **get_current_settings().to_environment_variables(exclude_unset=True),
     }
 
@@ -154,7 +155,14 @@ def seed_database(connection_url: str, template: Path) -> Path | None:
 
 def _start_guarded(port: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "trainflow._guard", str(os.getpid()), "--", *_server_command(port)],
+        [
+            sys.executable,
+            "-m",
+            "trainflow.launch.guard",
+            str(os.getpid()),
+            "--",
+            *_server_command(port),
+        ],
         env=_server_env(),
         stdin=subprocess.DEVNULL,
         start_new_session=True,

@@ -18,8 +18,8 @@ from typing import Any
 import cloudpickle
 from prefect import flow
 
-from trainflow.launcher import LaunchOptions
-from trainflow.prefect_adapter import launch_in_prefect
+from trainflow.launch.backends import launch_in_prefect
+from trainflow.launch.spec import LaunchOptions
 
 
 @flow(name="remote-call", persist_result=True)

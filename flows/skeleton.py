@@ -36,8 +36,8 @@ from tasks.reporting import figure_markdown, publish_summary
 from trainflow import checkpoint, tracking
 from trainflow.cli import start_launch_agent
 from trainflow.gate import gate_failures
+from trainflow.launch.plan import check_cpu_oversubscription
 from trainflow.paths import RUN_CONFIG_FILE, STOP_FILE, read_run_config, run_output_dir
-from trainflow.resources import check_cpu_oversubscription
 from trainflow.strategies.config import check_framework
 from trainflow.strategies.job import TrainResult, Workload
 from trainflow.workloads import Evaluation, WorkloadSpec, checked_ahead

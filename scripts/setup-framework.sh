@@ -96,6 +96,6 @@ fi
 if venv_complete; then
     .venv/bin/python scripts/share_packages.py link "$venv"
 fi
-"$venv/bin/python" -c "import trainflow._agent, trainflow._worker" \
+"$venv/bin/python" -c "import trainflow.launch.agent, trainflow.launch.worker" \
     || { echo "$venv cannot import trainflow's rank side" >&2; exit 1; }
 echo "$name ready: $venv/bin/python"

@@ -8,8 +8,8 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
 from trainflow.errors import is_transient
+from trainflow.launch.backends import launch_logged
 from trainflow.paths import STOP_FILE
-from trainflow.prefect_adapter import launch_logged
 from trainflow.strategies import TechniqueConfig
 from trainflow.strategies.job import (
     Resources,

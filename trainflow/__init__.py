@@ -21,30 +21,27 @@ if TYPE_CHECKING:
         RemoteNotConfiguredError,
         SingleProcessFrameworkError,
     )
-    from trainflow.launcher import (
-        DistributedFunction,
-        LaunchOptions,
-        LaunchResult,
-        distributed,
-        launch,
-    )
-    from trainflow.resources import ResourceError, Resources
+    from trainflow.launch.backends import launch
+    from trainflow.launch.decorator import DistributedFunction, distributed
+    from trainflow.launch.plan import ResourceError
+    from trainflow.launch.spec import LaunchOptions, LaunchResult
+    from trainflow.resources import Resources
 
 _EXPORTS = {
-    "DistributedFunction": "trainflow.launcher",
+    "DistributedFunction": "trainflow.launch.decorator",
     "FrameworkError": "trainflow.errors",
     "LaunchError": "trainflow.errors",
-    "LaunchOptions": "trainflow.launcher",
-    "LaunchResult": "trainflow.launcher",
+    "LaunchOptions": "trainflow.launch.spec",
+    "LaunchResult": "trainflow.launch.spec",
     "LaunchTimeoutError": "trainflow.errors",
     "PayloadError": "trainflow.errors",
     "RankError": "trainflow.errors",
     "RemoteNotConfiguredError": "trainflow.errors",
     "SingleProcessFrameworkError": "trainflow.errors",
-    "ResourceError": "trainflow.resources",
+    "ResourceError": "trainflow.launch.plan",
     "Resources": "trainflow.resources",
-    "distributed": "trainflow.launcher",
-    "launch": "trainflow.launcher",
+    "distributed": "trainflow.launch.decorator",
+    "launch": "trainflow.launch.backends",
 }
 
 __all__ = [

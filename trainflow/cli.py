@@ -6,21 +6,19 @@ the command line, the UI and deployments validate input in one place.
 """
 
 import argparse
-import atexit
 import contextlib
 import json
-import os
 import signal
 import sys
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, get_args, get_origin
+from typing import Any, Literal, NoReturn, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-if TYPE_CHECKING:
-    from trainflow.launcher import AgentAhead
+from trainflow.compat import stdlib
+from trainflow.launch.standby import AgentAhead, discard_standbys
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -429,8 +427,7 @@ def run_pipeline(
         _report_stop(flow, reason, run_id if run_id != before else None)
         raise SystemExit(code) from None
     finally:
-        if "trainflow.launcher" in sys.modules:  # an agent started ahead that was not used
-            sys.modules["trainflow.launcher"].discard_standbys()
+        discard_standbys()  # an agent started ahead that no launch used
     _print_result(flow, result, summary_metrics)
     return result
 
@@ -458,14 +455,14 @@ def start_launch_agent(
     module: str,
     check: tuple[str, Any] | None = None,
     then: Sequence[tuple[str, Any]] = (),
-) -> "AgentAhead":
+) -> AgentAhead:
     """Start the agent of the run's training launch now, importing the workload's `module`
-    (`trainflow.launcher.standby`): ranks then start with it loaded. Not for runs that wait
+    (`trainflow.launch.backends.standby`): ranks then start with it loaded. Not for runs that wait
     for rank slots (a sweep's trials). Returns the call that stops it if no launch used it;
     `run_pipeline` also stops it if the run never launches. `check` (`module:function`, a JSON
     value) runs in the agent first (`AgentAhead.check_outcome`), then the calls in `then`
     (`AgentAhead.outcome`), before it imports the rest."""
-    from trainflow.launcher import AgentAhead, standby
+    from trainflow.launch.backends import standby
     from trainflow.resources import Resources
 
     if not isinstance(config, Resources) or getattr(config, "gpu_pool", None) is not None:
@@ -513,11 +510,8 @@ def _check_machine(name: str, config: BaseModel) -> None:
     A GPU type or count the machine does not have fails here in a second, before the local
     Prefect server starts or an MLflow run exists.
     """
-    from trainflow.resources import (
-        ResourceError,
-        Resources,
-        check_cpu_oversubscription,
-    )
+    from trainflow.launch.plan import ResourceError, check_cpu_oversubscription
+    from trainflow.resources import Resources
 
     if not isinstance(config, Resources):
         return
@@ -546,7 +540,4 @@ def exit_now(code: int = 0) -> NoReturn:
     loaded module, which takes about 2 s with torch, transformers and Prefect loaded and
     serves no one: the run's files, databases and server are already closed.
     """
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    stdlib.exit_now(code)

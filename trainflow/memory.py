@@ -49,13 +49,10 @@ the same estimate); FSDP with CPU offload; and takes the first that fits (`choos
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from trainflow.resources import gpu_name_matches, query_gpus
+from trainflow.launch.plan import gpu_name_matches, query_gpus
 from trainflow.strategies.config import DDPConfig, DeepSpeedConfig, FSDPConfig, Precision
-
-if TYPE_CHECKING:
-    from trainflow.configs.sft import SFTConfig
 
 GB = 1e9
 # Memory per GPU by type, in GB as sold (conservative: an "80 GB" H100 reports 85.5 GB).
@@ -583,7 +580,20 @@ class MemoryPlan:
         return out
 
 
-def plan_sft(config: "SFTConfig", *, detect: bool = True) -> MemoryPlan:
+class SFTRun(Protocol):
+    """What `plan_sft` reads of an SFT run's config (`trainflow.configs.sft.SFTConfig`)."""
+
+    model: str
+    gpu_memory_gb: float | None
+    gpu_type: str | None
+    technique: Any
+
+    def tokenizer_path(self) -> str: ...
+    def training_setup(self) -> "TrainingSetup": ...
+    def compute_precision(self) -> Precision: ...
+
+
+def plan_sft(config: SFTRun, *, detect: bool = True) -> MemoryPlan:
     """The SFT run's memory plan: `technique: auto` resolved, any other technique checked.
 
     Raises:

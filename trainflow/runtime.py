@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainflow.run_dir import Heartbeat, RunDir
+from trainflow.launch.run_dir import Heartbeat, RunDir
+from trainflow.launch.spec import RUN_DIR_ENV
 
 # Set by the launcher's worker on every rank: the launch's run directory, and the bound on a
 # collective (`LaunchOptions.collective_timeout`).
-RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"
 COLLECTIVE_TIMEOUT_ENV = "TRAINFLOW_COLLECTIVE_TIMEOUT_S"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 

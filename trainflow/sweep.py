@@ -359,10 +359,11 @@ def metric_plot(rows: list[TrialRow], metric: str, keys: list[str]) -> Any:
     axes = fig.subplots(1, max(1, len(keys)), squeeze=False)[0]
     for ax, key in zip(axes, keys, strict=False):
         values = [r.params.get(key) for r in done]
-        numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+        numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        numeric = len(numbers) == len(values)
         if numeric:
-            xs: list[Any] = values
-            positive = [v for v in values if v > 0]  # type: ignore[operator]
+            xs: list[Any] = numbers
+            positive = [v for v in numbers if v > 0]
             if positive and len(positive) == len(values) and max(positive) / min(positive) > 20:
                 ax.set_xscale("log")
         else:

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from trainflow.compat import mlflow as mlflow_compat
 from trainflow.paths import safe_name
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -177,25 +178,22 @@ def warm_model_logging() -> None:
 
     The map depends only on what is installed: it is kept on disk (`package_map_file`) and
     read back by later runs in the same environment; the install builds it, so a first run
-    reads it too. It is internal to MLflow: if it is not there, nothing is done."""
-    try:
-        from mlflow.utils import requirements_utils
-    except ImportError:
-        return
-    if getattr(requirements_utils, "_MODULES_TO_PACKAGES", "absent") is not None:
+    reads it too. It is internal to MLflow (`compat.mlflow`): if it is not there, nothing is
+    done."""
+    if not mlflow_compat.package_map_unbuilt():
         return  # built already, or another MLflow: it builds the map itself when it logs
     kept = package_map_file()
     with contextlib.suppress(OSError, ValueError):
-        requirements_utils._MODULES_TO_PACKAGES = json.loads(kept.read_text())
+        mlflow_compat.set_package_map(json.loads(kept.read_text()))
         return
     try:
-        requirements_utils._init_modules_to_packages_map()
+        built = mlflow_compat.build_package_map()
     except Exception:
         return
     with contextlib.suppress(OSError):
         kept.parent.mkdir(parents=True, exist_ok=True)
         partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(requirements_utils._MODULES_TO_PACKAGES))
+        partial.write_text(json.dumps(built))
         os.replace(partial, kept)
 
 

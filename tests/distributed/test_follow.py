@@ -1,4 +1,4 @@
-"""Follower nodes: the leader runs the program, `python -m trainflow.follow` runs the rest.
+"""Follower nodes: the leader runs the program, `python -m trainflow.launch.follower` runs the rest.
 
 Two processes on this machine stand in for pod 0 and pod 1 of the Kubernetes Indexed Job: a
 leader script (`JOB_COMPLETION_INDEX=0`) that calls a two-node function, and a follower
@@ -20,9 +20,9 @@ import psutil
 import pytest
 
 from tests.conftest import REPO_ROOT, free_port
-from trainflow._worker import AGENT_PID_ENV
 from trainflow.errors import LaunchConfigError
-from trainflow.follow import BOARD_ENV, NODE_INDEX_ENV, board_address, board_enabled
+from trainflow.launch.board import BOARD_ENV, NODE_INDEX_ENV, board_address, board_enabled
+from trainflow.launch.spec import AGENT_PID_ENV
 from trainflow.runtime import RUN_DIR_ENV
 
 LEADER = textwrap.dedent(
@@ -99,7 +99,7 @@ class _Nodes:
             for name in ("leader", "follower")
         }
         self.follower = subprocess.Popen(
-            [sys.executable, "-m", "trainflow.follow"],
+            [sys.executable, "-m", "trainflow.launch.follower"],
             cwd=REPO_ROOT,
             env=_env(1, board, rdzv),
             stdout=self.files["follower"],
@@ -219,7 +219,9 @@ def test_a_lost_leader_ends_the_follower_and_its_ranks(tmp_path):
         nodes.leader.send_signal(signal.SIGKILL)
         assert nodes.wait(nodes.follower, 30) == 1
         out = nodes.text("follower").splitlines()
-        (error,) = [line for line in out if line.startswith("python -m trainflow.follow: error")]
+        (error,) = [
+            line for line in out if line.startswith("python -m trainflow.launch.follower: error")
+        ]
         assert "went away" in error and "the leader (node 0) ended abnormally" in error, error
         assert "frame #" not in nodes.text("follower")  # no C++ trace from the store client
         assert _left(pids) == []
@@ -231,7 +233,7 @@ def test_a_follower_without_a_leader_gives_up_with_one_clear_line(tmp_path):
     port = free_port()
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "trainflow.follow"],
+        [sys.executable, "-m", "trainflow.launch.follower"],
         cwd=REPO_ROOT,
         env={
             **_env(1, f"127.0.0.1:{port}", "127.0.0.1:1"),
@@ -245,7 +247,7 @@ def test_a_follower_without_a_leader_gives_up_with_one_clear_line(tmp_path):
     assert done.returncode == 1
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(
-        f"python -m trainflow.follow: error: no launch board at 127.0.0.1:{port} after 1s "
+        f"python -m trainflow.launch.follower: error: no launch board at 127.0.0.1:{port} after 1s "
         "(TRAINFLOW_FOLLOW_TIMEOUT; last error: "
     ), line
     assert "Connection refused" in line

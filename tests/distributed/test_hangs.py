@@ -25,7 +25,7 @@ from trainflow.errors import (
     RankError,
     is_transient,
 )
-from trainflow.run_dir import RunDir
+from trainflow.launch.run_dir import RunDir
 
 
 def _alive(pid: int) -> bool:
@@ -260,7 +260,7 @@ def test_launch_errors_survive_pickling():
 
 
 def test_resource_error_is_not_transient():
-    from trainflow.resources import ResourceError
+    from trainflow.launch.plan import ResourceError
 
     assert not is_transient(ResourceError("gpus=8 but this machine has 0 GPUs"))
 

@@ -16,13 +16,9 @@ import pytest
 
 from trainflow import RankError, runtime
 from trainflow.errors import LaunchConfigError
-from trainflow.launcher import (
-    LaunchOptions,
-    check_interpreter,
-    interpreter,
-    launch,
-    rank_sys_path,
-)
+from trainflow.launch.backends import launch
+from trainflow.launch.environment import check_interpreter, interpreter, rank_sys_path
+from trainflow.launch.spec import LaunchOptions
 from trainflow.paths import trainflow_home
 
 

@@ -115,7 +115,7 @@ def sft_cell(output_dir: str, technique: str) -> dict:
 def test_sft_trainer_cell_trains_over_both_ranks(
     tmp_path, cpu_fallback, caplog, technique, wrapper, adapted
 ):
-    with caplog.at_level(logging.WARNING, logger="trainflow.launcher"):
+    with caplog.at_level(logging.WARNING, logger="trainflow.launch"):
         results = sft_cell.distributed(str(tmp_path / "out"), technique)
     for rank in results:
         assert rank["num_processes"] == 2 and rank["world_size"] == 2
@@ -317,7 +317,7 @@ def test_remote_true_without_a_deployment_names_what_to_set(monkeypatch):
 
 
 def test_remote_deployment_for_the_gpu_type_wins(monkeypatch):
-    from trainflow.launcher import remote_deployment
+    from trainflow.launch.backends import remote_deployment
 
     monkeypatch.setenv("TRAINFLOW_REMOTE_DEPLOYMENT", "remote-call/default")
     monkeypatch.setenv("TRAINFLOW_REMOTE_DEPLOYMENT_H100", "remote-call/h100")

@@ -27,8 +27,8 @@ from tests.conftest import flush_prefect_logs  # noqa: E402
 from trainflow import distributed, runtime  # noqa: E402
 from trainflow.configs.mlp import MLPConfig  # noqa: E402
 from trainflow.errors import LaunchError  # noqa: E402
+from trainflow.launch.ray_placement import NodeLostError  # noqa: E402
 from trainflow.paths import trainflow_home  # noqa: E402
-from trainflow.ray_launcher import NodeLostError  # noqa: E402
 from trainflow.resources import Resources  # noqa: E402
 from trainflow.strategies import DDPConfig  # noqa: E402
 from trainflow.strategies.job import Workload  # noqa: E402

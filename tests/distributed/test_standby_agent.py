@@ -1,4 +1,5 @@
-"""An agent started ahead of its launch (`launcher.standby`): used, passed over, or stopped."""
+"""An agent started ahead of its launch (`trainflow.launch.backends.standby`): used, passed
+over, or stopped."""
 
 import os
 import signal
@@ -12,7 +13,8 @@ from pathlib import Path
 import psutil
 
 from trainflow import runtime
-from trainflow.launcher import LaunchOptions, launch, standby
+from trainflow.launch.backends import launch, standby
+from trainflow.launch.spec import LaunchOptions
 
 OPTIONS = LaunchOptions(gpus=2, gpu_type="cpu", timeout=120)
 
@@ -107,9 +109,11 @@ def test_the_agent_started_ahead_ends_when_its_caller_is_killed(tmp_path):
     script = textwrap.dedent(
         """
         import os, signal, sys, time
-        from trainflow.launcher import LaunchOptions, standby, _standbys
+        from trainflow.launch.backends import standby
+        from trainflow.launch.spec import LaunchOptions
+        from trainflow.launch.standby import _pool
         standby(LaunchOptions(gpus=2, gpu_type="cpu"), ["json"])
-        print(_standbys[0].proc.pid, flush=True)
+        print(_pool.agents[0].proc.pid, flush=True)
         time.sleep(1)
         os.kill(os.getpid(), signal.SIGKILL)
         """
@@ -128,7 +132,7 @@ def test_the_agent_started_ahead_ends_when_its_caller_is_killed(tmp_path):
 def test_a_listed_module_that_fails_to_import_is_named_and_the_rest_still_load(
     tmp_path, monkeypatch
 ):
-    from trainflow._agent import _preload
+    from trainflow.launch.agent import _preload
 
     (tmp_path / "listing_workload.py").write_text(
         'RANK_IMPORTS = ("listing_broken", "listing_fine")\n'

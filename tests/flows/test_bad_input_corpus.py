@@ -30,8 +30,8 @@ import flows.prepare
 import flows.sft
 import flows.transformer
 from tests.conftest import REPO_ROOT
+from trainflow.launch.plan import GpuInventory
 from trainflow.paths import trainflow_home
-from trainflow.resources import GpuInventory
 
 pytestmark = pytest.mark.skipif(
     GpuInventory.detect().count > 0, reason="this machine has GPUs, so asking for one is no error"

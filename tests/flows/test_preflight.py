@@ -16,8 +16,8 @@ from mlflow.tracking import MlflowClient
 from flows.mlp import mlp
 from tests.conftest import REPO_ROOT
 from trainflow.configs.mlp import MLPConfig
+from trainflow.launch.plan import GpuInventory, ResourceError
 from trainflow.paths import trainflow_home
-from trainflow.resources import GpuInventory, ResourceError
 
 pytestmark = pytest.mark.skipif(
     GpuInventory.detect().count > 0, reason="this machine has GPUs, so asking for one is no error"

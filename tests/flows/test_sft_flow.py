@@ -139,7 +139,7 @@ def _a_rank(caller: psutil.Process) -> psutil.Process | None:
     """A training rank: a child of the launch agent (the agent runs in its own session)."""
     for proc in caller.children(recursive=True):
         try:
-            if "trainflow._agent" in " ".join(proc.parent().cmdline()):
+            if "trainflow.launch.agent" in " ".join(proc.parent().cmdline()):
                 return proc
         except psutil.Error:
             continue

@@ -121,7 +121,7 @@ def _run_processes(pid: int) -> list[psutil.Process]:
     root = psutil.Process(pid)
     procs = [root, *root.children(recursive=True)]
     commands = [" ".join(p.cmdline()) for p in procs]
-    for needed in ("trainflow._guard", "uvicorn", "trainflow._agent"):
+    for needed in ("trainflow.launch.guard", "uvicorn", "trainflow.launch.agent"):
         assert any(needed in c for c in commands), (needed, commands)
     return procs
 
@@ -302,7 +302,7 @@ def test_cancelling_a_served_deployment_run_kills_its_ranks_and_run(prefect_api,
             )
             # The flow run's process, the launcher's agent and the ranks (not the server).
             procs = psutil.Process(serve.pid).children(recursive=True)
-            ranks = [p for p in procs if "trainflow._agent" in " ".join(p.cmdline())]
+            ranks = [p for p in procs if "trainflow.launch.agent" in " ".join(p.cmdline())]
             assert len(ranks) >= 3, [p.cmdline() for p in procs]  # the agent and 2 ranks
             client.set_flow_run_state(flow_run.id, Cancelling())  # what the UI's Cancel does
             cancelled_at = time.monotonic()

@@ -12,7 +12,7 @@ from prefect import flow
 from flows.frameworks import _train_with_framework
 from tasks.techniques import retry_if_transient
 from trainflow import RankError, runtime
-from trainflow.launcher import LaunchOptions
+from trainflow.launch.spec import LaunchOptions
 
 pytestmark = pytest.mark.slow
 

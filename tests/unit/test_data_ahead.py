@@ -1,24 +1,23 @@
 """A dataset prepared ahead by a launch's agent, as the prepare task takes it: the agent's real
-outcome file format (`trainflow._agent.run_calls`) on a real published dataset."""
+outcome format (`trainflow.launch.agent.run_calls`) on a real published dataset."""
 
+import io
 import json
 
 import pytest
 
 from tests.unit.conftest_data import chat_config
-from trainflow._agent import run_calls
 from trainflow.data import DataError, ahead, dataset_fingerprint
+from trainflow.launch.agent import run_calls
 
 
 def _run_in_agent_format(tmp_path, config) -> dict:
-    """Run the agent's prepare call as the agent does, and read its outcome file back."""
+    """Run the agent's prepare call as the agent does, and read its outcome line back."""
     function, argument = ahead.prepare_call(config)
-    request, output = tmp_path / "request.json", tmp_path / "out.json"
-    request.write_text(
-        json.dumps([{"function": function, "argument": argument, "output": str(output)}])
-    )
-    run_calls(str(request))
-    return json.loads(output.read_text())
+    outcomes = io.StringIO()
+    run_calls([{"function": function, "argument": argument}], outcomes)
+    (line,) = outcomes.getvalue().splitlines()
+    return json.loads(line)
 
 
 def test_the_prepared_dataset_is_taken_once(tmp_path):

@@ -39,8 +39,8 @@ from deployments.profiles import (
     select_profile,
     service_manifest,
 )
-from trainflow.follow import BOARD_ENV, NODE_INDEX_ENV
-from trainflow.launcher import RDZV_ENDPOINT_ENV, RUN_ID_ENV
+from trainflow.launch.board import BOARD_ENV, NODE_INDEX_ENV
+from trainflow.launch.spec import RDZV_ENDPOINT_ENV, RUN_ID_ENV
 
 # The oldest schema every feature used here is GA in (podFailurePolicy 1.31), and the newest.
 K8S_VERSIONS = ("1.33", kubernetes_validate.latest_version())
@@ -139,7 +139,8 @@ def test_every_pod_gets_the_same_rendezvous_on_pod_zero(gpus, gpu_type, nnodes):
 
 def test_pod_zero_runs_the_flow_run_and_the_other_pods_follow():
     """The container's command, run as the kubelet would (command, then args) by a real shell:
-    pod 0 executes Prefect's command; any other index starts `python -m trainflow.follow`."""
+    pod 0 executes Prefect's command; any other index starts
+    `python -m trainflow.launch.follower`."""
     job, _ = render_manifests(select_profile(16, "H100", 2), command="echo flow-run execute")
     _, _, container = _pod(job)
     assert container["args"] == ["echo", "flow-run", "execute"]
@@ -158,7 +159,7 @@ def test_pod_zero_runs_the_flow_run_and_the_other_pods_follow():
     assert pod_one.stdout == ""
     assert pod_one.returncode == 2, pod_one.stderr
     assert pod_one.stderr.startswith(
-        f"python -m trainflow.follow: error: no launch board: set {BOARD_ENV}=host:port"
+        f"python -m trainflow.launch.follower: error: no launch board: set {BOARD_ENV}=host:port"
     )
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trainflow import launcher
 from trainflow.errors import LaunchConfigError
-from trainflow.run_dir import RunDir
+from trainflow.launch import logs, run_dir
+from trainflow.launch.run_dir import RunDir
 
 
 def _dead_pid() -> int:
@@ -34,7 +34,7 @@ def test_pruning_keeps_the_newest_and_every_folder_still_in_use(tmp_path):
     in_use = _launch_folder(tmp_path, "run-old-live", os.getpid(), age_s=100)
     (tmp_path / "stray-file").write_text("not a launch")
 
-    removed = launcher.prune_run_dirs(tmp_path, keep=2)
+    removed = run_dir.prune_run_dirs(tmp_path, keep=2)
 
     assert sorted(removed) == sorted(folders[2:])
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -44,18 +44,18 @@ def test_pruning_keeps_the_newest_and_every_folder_still_in_use(tmp_path):
         "stray-file",
     ]
     assert in_use.is_dir()
-    assert launcher.prune_run_dirs(tmp_path / "missing", keep=2) == []
+    assert run_dir.prune_run_dirs(tmp_path / "missing", keep=2) == []
 
 
 def test_keep_runs_setting_is_read_and_checked(monkeypatch):
     monkeypatch.delenv("TRAINFLOW_KEEP_RUNS", raising=False)
-    assert launcher.keep_run_dirs() == launcher.DEFAULT_KEEP_RUNS
+    assert run_dir.keep_run_dirs() == run_dir.DEFAULT_KEEP_RUNS
     monkeypatch.setenv("TRAINFLOW_KEEP_RUNS", "7")
-    assert launcher.keep_run_dirs() == 7
+    assert run_dir.keep_run_dirs() == 7
     for bad in ("0", "-1", "many"):
         monkeypatch.setenv("TRAINFLOW_KEEP_RUNS", bad)
         with pytest.raises(LaunchConfigError, match="TRAINFLOW_KEEP_RUNS"):
-            launcher.keep_run_dirs()
+            run_dir.keep_run_dirs()
 
 
 def test_progress_bars_arrive_as_their_newest_redraw_then_their_final_state(tmp_path, monkeypatch):
@@ -63,9 +63,9 @@ def test_progress_bars_arrive_as_their_newest_redraw_then_their_final_state(tmp_
     rd.logs.mkdir()
     log = rd.log_path(0)
     lines: list[tuple[int, str]] = []
-    tail = launcher._LogTail(rd, lambda rank, line: lines.append((rank, line)))
+    tail = logs.LogTail(rd, lambda rank, line: lines.append((rank, line)))
     clock = iter([100.0, 100.5, 103.0])
-    monkeypatch.setattr(launcher.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(logs.time, "monotonic", lambda: next(clock))
 
     def write(text: str) -> None:
         with open(log, "a") as f:

@@ -11,9 +11,10 @@ from pydantic import ValidationError
 
 from trainflow import distributed
 from trainflow.errors import LaunchConfigError
-from trainflow.launcher import LaunchOptions, rank_label
-from trainflow.ray_launcher import RayLaunch, ray_address, resolve_plan
-from trainflow.resources import ResourceError, Resources, node_range, resolve_resources
+from trainflow.launch.plan import ResourceError, node_range, resolve_resources
+from trainflow.launch.ray_placement import RayLaunch, ray_address, resolve_plan
+from trainflow.launch.spec import LaunchOptions, rank_label
+from trainflow.resources import Resources
 
 
 @pytest.mark.parametrize(
@@ -91,7 +92,7 @@ def test_the_local_launcher_never_imports_ray():
     code = (
         "import sys\n"
         "from trainflow import distributed\n"
-        "import trainflow.launcher, trainflow.ray_launcher\n"
+        "import trainflow.launch.backends, trainflow.launch.ray_placement\n"
         "assert 'ray' not in sys.modules, 'ray was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -3,12 +3,7 @@
 import pytest
 
 from trainflow import distributed
-from trainflow.resources import (
-    GpuInventory,
-    ResourceError,
-    gpu_name_matches,
-    resolve_resources,
-)
+from trainflow.launch.plan import GpuInventory, ResourceError, gpu_name_matches, resolve_resources
 
 H100x8 = GpuInventory(("NVIDIA H100 80GB HBM3",) * 8)
 A100x4 = GpuInventory(("NVIDIA A100-SXM4-80GB",) * 4)
@@ -110,7 +105,7 @@ def test_this_machine_without_gpus_rejects_a_gpu_type(monkeypatch):
 
 
 def test_cpu_ranks_far_beyond_the_cores_are_refused_naming_the_count():
-    from trainflow.resources import check_cpu_oversubscription
+    from trainflow.launch.plan import check_cpu_oversubscription
 
     with pytest.raises(ResourceError, match=r"gpus=16 would start 16 CPU ranks .* 2 cores"):
         check_cpu_oversubscription(resolve_resources(16, "cpu"), cores=2)
@@ -118,7 +113,7 @@ def test_cpu_ranks_far_beyond_the_cores_are_refused_naming_the_count():
 
 
 def test_cpu_ranks_beyond_the_cores_warn(caplog):
-    from trainflow.resources import check_cpu_oversubscription
+    from trainflow.launch.plan import check_cpu_oversubscription
 
     check_cpu_oversubscription(resolve_resources(2, "cpu"), cores=2)
     assert "compete for cores" not in caplog.text
@@ -127,6 +122,6 @@ def test_cpu_ranks_beyond_the_cores_warn(caplog):
 
 
 def test_gpu_ranks_are_not_counted_against_cpu_cores_with_mocked_gpus():
-    from trainflow.resources import check_cpu_oversubscription
+    from trainflow.launch.plan import check_cpu_oversubscription
 
     check_cpu_oversubscription(resolve_resources(8, "H100", inventory=H100x8), cores=1)

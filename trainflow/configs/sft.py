@@ -5,7 +5,7 @@ turns one into the CPU run of the same recipe on the tiny model of the same fami
 """
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -14,6 +14,7 @@ from trainflow.configs.base import PipelineConfig
 from trainflow.data.config import PRESETS_DIR as DATA_PRESETS_DIR
 from trainflow.data.config import REPO_ROOT, ChatTransform, DataConfig, PreparedDataset, load_preset
 from trainflow.gate import Threshold, gate_failures
+from trainflow.memory import TrainingSetup
 from trainflow.paths import SafeName
 from trainflow.strategies.config import (
     DDPConfig,
@@ -23,9 +24,6 @@ from trainflow.strategies.config import (
     Precision,
     check_framework,
 )
-
-if TYPE_CHECKING:
-    from trainflow.memory import TrainingSetup
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets" / "sft"
 SHIPPED_TOKENIZER = str(REPO_ROOT / "data" / "tokenizer")
@@ -254,10 +252,8 @@ class SFTConfig(PipelineConfig):
         fsdp = isinstance(self.technique, FSDPConfig) and self.technique.activation_checkpointing
         return self.gradient_checkpointing or fsdp
 
-    def training_setup(self) -> "TrainingSetup":
+    def training_setup(self) -> TrainingSetup:
         """What the memory estimate needs to know about this run (`trainflow.memory`)."""
-        from trainflow.memory import TrainingSetup
-
         return TrainingSetup(
             micro_batch_size=self.training.per_device_batch_size,
             seq_len=self.max_length,

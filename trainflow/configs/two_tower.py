@@ -214,7 +214,7 @@ class TwoTowerConfig(PipelineConfig):
                 "source": source,
                 "splits": ["train"],
                 "id_column": id_column,
-                "transform": TabularTransform(columns=columns),  # type: ignore[arg-type]
+                "transform": TabularTransform(columns=columns),
                 "shard_size": "1mb",
                 **splits,
             }

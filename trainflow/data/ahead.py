@@ -3,7 +3,7 @@
 
 A pipeline that has its launch agent prepare the dataset (`offer`) lets the prepare task wait
 for that instead of importing the data stack and building the same shards itself (`take`).
-The agent's outcome is the one `trainflow._agent.run_calls` writes: the published dataset,
+The agent's outcome is the one `trainflow.launch.agent.run_calls` writes: the published dataset,
 the message of the `DataError` that refused the input, or a failure, after which the task
 builds the dataset itself.
 
@@ -25,7 +25,7 @@ _lock = threading.Lock()
 
 def prepare_call(config: DataConfig) -> tuple[str, Any]:
     """The call a launch's standby agent runs to prepare `config`'s dataset
-    (`trainflow.launcher.standby(then=...)`)."""
+    (`trainflow.launch.backends.standby(then=...)`)."""
     return ("trainflow.data.prepare:prepare_ahead", config.model_dump(mode="json"))
 
 

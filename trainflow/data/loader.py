@@ -179,7 +179,10 @@ class ResumableLoader(StreamingDataLoader):
         if self._reads_ahead() and self._started is None:
             self._started = _ReadAhead(super(StreamingDataLoader, self).__iter__(), self.prefetch)
 
-    def __iter__(self) -> Iterator[Any]:
+    # A generator, as `StreamingDataLoader.__iter__` (`Iterator[Any]`) already is: torch's
+    # `DataLoader.__iter__` is annotated with its own `_BaseDataLoaderIter`, which no subclass
+    # that yields can return, so mypy checks this override against that annotation too.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if not self._reads_ahead():
             yield from super().__iter__()
             return

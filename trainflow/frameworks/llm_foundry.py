@@ -159,10 +159,11 @@ def _loss(trainer: Any) -> tuple[float | None, float | None]:
         own = own.get("total", sum(own.values()))
     if isinstance(own, list | tuple):
         own = sum(own)
-    values = []
-    for value in (mean, own):
+    values: list[float | None] = []
+    for raw in (mean, own):
+        value: float | None
         try:
-            value = float(value)
+            value = float(raw) if raw is not None else None
         except (TypeError, ValueError):
             value = None
         values.append(value if value is not None and math.isfinite(value) else None)
@@ -176,7 +177,9 @@ def _check_columns(cfg: Any) -> None:
     from omegaconf import OmegaConf
 
     loader = OmegaConf.select(cfg, "train_loader", default=None) or {}
-    accepted = {"finetuning": _FINETUNING_COLUMNS, "text": _TEXT_COLUMNS}.get(loader.get("name"))
+    name = loader.get("name")
+    by_loader = {"finetuning": _FINETUNING_COLUMNS, "text": _TEXT_COLUMNS}
+    accepted = by_loader.get(name) if name is not None else None
     dataset = loader.get("dataset") or {}
     sources = list((dataset.get("streams") or {}).values()) or [dataset]
     for source in sources:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainflow import runtime
+from trainflow.compat.deepspeed import no_compiled_ops
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.config import DeepSpeedConfig, OptimizerConfig, deepspeed_json
 
@@ -63,9 +64,7 @@ def prepare_compiled_ops(device_type: str) -> None:
       (`readable_arch_list`), so that fused Adam builds on images that list `9.0a`.
     """
     if device_type != "cuda":
-        import deepspeed
-
-        deepspeed.ops.__compatible_ops__ = {}
+        no_compiled_ops()
         return
     value = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if value and (readable := readable_arch_list(value)) != value:

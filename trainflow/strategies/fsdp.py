@@ -24,7 +24,7 @@ from torch.distributed.fsdp import (
 )
 
 from trainflow import runtime
-from trainflow._adapt import shard_with_fsdp2_on_cpu
+from trainflow.compat.transformers import shard_with_fsdp2_on_cpu
 from trainflow.strategies.base import TorchStrategy, adamw, find_blocks
 from trainflow.strategies.config import FSDPConfig, OptimizerConfig
 

@@ -74,7 +74,7 @@ class Evaluation:
 
 
 # Configs whose workload checks (the ones needing its libraries) passed ahead, in the process
-# that had them loaded: a launch's standby agent (`trainflow.launcher.standby`).
+# that had them loaded: a launch's standby agent (`trainflow.launch.backends.standby`).
 _checked_ahead: set[tuple[str, str]] = set()
 
 

@@ -20,6 +20,7 @@ import datasets
 from transformers import PreTrainedModel, TrainerCallback
 
 from trainflow import runtime
+from trainflow.compat.transformers import checkpoint_fixes
 from trainflow.configs.sft import (
     PRESETS_DIR,
     SHIPPED_TOKENIZER,
@@ -76,7 +77,7 @@ __all__ = [
 
 # Imported by a rank only once it trains, so the flow's process (which imports this module for
 # its checks and evaluation) does not pay for them; a launch's standby agent imports them
-# ahead (`trainflow._agent`), once, for ranks forked from it. Accelerate imports DeepSpeed
+# ahead (`trainflow.launch.agent`), once, for ranks forked from it. Accelerate imports DeepSpeed
 # whenever it is installed (to unwrap the trained model for saving), whatever the technique.
 RANK_IMPORTS = ("trl.trainer.sft_trainer", "trainflow.data.loader", *SINK_IMPORTS, "deepspeed")
 # Run by that agent while it waits for its launch: rank 0 logs the model after training.
@@ -232,44 +233,9 @@ def _on_rank(trainer_class: type, loader: Any, meter: EfficiencyMeter) -> type:
     dataset a second time across the ranks.
     """
 
-    class RankTrainer(trainer_class):  # type: ignore[misc, valid-type]
+    class RankTrainer(checkpoint_fixes(trainer_class)):  # type: ignore[misc]
         def get_train_dataloader(self) -> Any:
             return loader
-
-        def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-            """Skip the plain weights copy in a checkpoint when FSDP shards the model.
-
-            With FSDP2 the Trainer's `save_model` has rank 0 alone read parameters that are
-            still sharded, which waits on collectives the other ranks never join. Every rank
-            writes the checkpoint's FSDP model and optimizer state right after
-            (`save_fsdp_model`); that is what a resume loads. The trained model is exported
-            by `_save_sharded`.
-            """
-            if _internal_call and self.is_fsdp_enabled:
-                return
-            super().save_model(output_dir, _internal_call)
-
-        def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-            """Load the optimizer state onto the CPU for CPU ranks.
-
-            With several CPU ranks the Trainer maps the saved state to `cpu:<rank>`, a
-            location `torch.load` cannot restore to.
-            """
-            plain_cpu = not (self.is_fsdp_enabled or self.is_deepspeed_enabled)
-            if checkpoint is None or self.args.device.type != "cpu" or not plain_cpu:
-                super()._load_optimizer_and_scheduler(checkpoint)
-                return
-            import torch
-            from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
-
-            folder = Path(checkpoint)
-            if (folder / OPTIMIZER_NAME).is_file() and (folder / SCHEDULER_NAME).is_file():
-                optimizer = torch.load(
-                    folder / OPTIMIZER_NAME, map_location="cpu", weights_only=True
-                )
-                self.optimizer.load_state_dict(optimizer)
-                scheduler = torch.load(folder / SCHEDULER_NAME, weights_only=True)
-                self.lr_scheduler.load_state_dict(scheduler)
 
         def get_batch_samples(self, epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
             # Only the loader's own time is a data wait: the Trainer then counts the batch's
@@ -837,7 +803,9 @@ def _onto(model: PreTrainedModel, device: Any) -> PreTrainedModel:
     try:
         return model.to(device)
     except torch.cuda.OutOfMemoryError:
-        model.to("cpu")
+        # transformers wraps `to` with `functools.wraps(Module.to)`; typeshed's `_Wrapped` has
+        # no `__get__`, so mypy does not bind `self` and takes "cpu" for it.
+        model.to("cpu")  # type: ignore[arg-type]
         torch.cuda.empty_cache()
         print(f"the model does not fit {device} for evaluation: evaluating on the CPU")
         return model

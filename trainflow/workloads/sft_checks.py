@@ -8,7 +8,7 @@ seconds earlier, and goes on while the agent finishes its imports.
 
 from typing import Any
 
-from trainflow.configs.sft import SFTConfig
+from trainflow.configs.sft import AutoTechnique, SFTConfig
 from trainflow.data.tokenizer import load_tokenizer
 from trainflow.models.causal_lm import build_causal_lm
 from trainflow.strategies.job import check_technique
@@ -68,7 +68,7 @@ def check_names(config: SFTConfig) -> None:
 def check_ahead(config: dict[str, Any]) -> dict[str, Any]:
     """Every check of `config` that needs this module's libraries, in one call: for a launch's
     standby agent to run while the pipeline's process starts, which then need not import them
-    (`trainflow.launcher.standby`). The names (`check_config`), the memory plan (a run that
+    (`trainflow.launch.backends.standby`). The names (`check_config`), the memory plan (a run that
     does not fit is refused) and the technique on the model built on the meta device, for the
     technique the plan chose.
 
@@ -86,10 +86,13 @@ def check_ahead(config: dict[str, Any]) -> dict[str, Any]:
     check_config(given)
     plan = plan_sft(given)
     resolved = given.with_technique(plan.technique)
+    technique = resolved.technique
+    # `with_technique` takes a concrete technique: the plan has resolved `auto`.
+    assert not isinstance(technique, AutoTechnique)
     tokenizer = load_tokenizer(resolved.tokenizer_path())
     check_technique(
         lambda: build_causal_lm(resolved.model, tokenizer, seed=0, pretrained=False),
-        resolved.technique,
+        technique,
         resolved.resources,
         "hf",
     )

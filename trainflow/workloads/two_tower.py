@@ -22,11 +22,11 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.profilers import Profiler
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.functional.classification import binary_auroc
 
 from trainflow import checkpoint, runtime
+from trainflow.compat.lightning import leave_sigterm_to_launcher
 from trainflow.configs.two_tower import TwoTowerConfig, TwoTowerJob
 from trainflow.data import DataError, LoaderConfig, PreparedDataset, build_dataloader
 from trainflow.data.checks import check_files
@@ -145,6 +145,9 @@ def item_categories(config: TwoTowerConfig, data: PreparedDataset) -> list[int]:
 class TwoTowerModule(L.LightningModule):
     """The towers, their sampled-negative loss and validation AUROC, as Lightning runs them."""
 
+    # A buffer (`register_buffer` in `__init__`): typed here, as `Module.__getattr__` is not.
+    item_categories: torch.Tensor
+
     def __init__(self, job: TwoTowerJob, strategy: Strategy) -> None:
         super().__init__()
         self.job, self.technique = job, strategy
@@ -208,20 +211,6 @@ class _RunLogger(MLFlowLogger):
 
     def finalize(self, status: str = "success") -> None:
         """Leave the run open: evaluation and registration still log to it."""
-
-
-class _LauncherOwnsSigterm(_SignalConnector):
-    """Leaves SIGTERM to the handler the launcher gave the rank (`runtime.request_stop`).
-
-    Lightning's own SIGTERM handler broadcasts from inside the signal handler, in the middle of
-    whatever collective the rank was running (a DDP all-reduce or buffer broadcast): gloo then
-    aborts the rank ("Received data size doesn't match expected size") before any checkpoint
-    is written. The launcher's handler only sets a flag, and `Durability` turns it into a
-    checkpoint and a stop at a step every rank agrees on.
-    """
-
-    def register_signal_handlers(self) -> None:
-        self.received_sigterm = False
 
 
 class Durability(Callback):
@@ -413,9 +402,8 @@ def train(
         enable_model_summary=False,
         default_root_dir=out,
     )
-    # Lightning has no option to leave SIGTERM alone; its (private) connector is swapped, and
-    # the stop/resume test in tests/flows/test_resume.py fails if an upgrade breaks this.
-    trainer._signal_connector = _LauncherOwnsSigterm(trainer)
+    # Lightning has no option to leave SIGTERM alone: its (private) connector is swapped.
+    leave_sigterm_to_launcher(trainer)
     module = TwoTowerModule(job, strategy)
     resume = checkpoint.resolve(resume_from)
     if resume is not None:

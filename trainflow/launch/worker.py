@@ -4,7 +4,6 @@ Torch elastic spawns this module's `main` on every rank; it must stay importable
 caller's code, so everything user-specific arrives through the run directory.
 """
 
-import atexit
 import ctypes
 import faulthandler
 import json
@@ -22,12 +21,13 @@ from typing import Any
 import cloudpickle
 import torch
 
-from trainflow import _adapt, runtime
+from trainflow import runtime
+from trainflow.compat import cpu_fallback, stdlib
 from trainflow.errors import PayloadError
-from trainflow.run_dir import RunDir
+from trainflow.launch.run_dir import RunDir
+from trainflow.launch.ship import DYNAMIC_CODE
+from trainflow.launch.spec import AGENT_PID_ENV
 
-# The file name cloudpickle gives the code of functions it ships by value.
-_DYNAMIC_CODE = "<dynamic-code>"
 # How deep the parts of an unpicklable return value are searched.
 _RETURN_DEPTH = 5
 
@@ -77,7 +77,7 @@ def _restore_source(fn: object, code_files: list[list], sources: dict[str, list[
     def fix(code: types.CodeType) -> types.CodeType:
         consts = tuple(fix(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
         path = where.get((code.co_name, code.co_firstlineno))
-        if code.co_filename != _DYNAMIC_CODE or path is None:
+        if code.co_filename != DYNAMIC_CODE or path is None:
             return code.replace(co_consts=consts)
         return code.replace(co_filename=path, co_consts=consts)
 
@@ -87,7 +87,7 @@ def _restore_source(fn: object, code_files: list[list], sources: dict[str, list[
         if id(f) in seen or not isinstance(f, types.FunctionType):
             continue
         seen.add(id(f))
-        if f.__code__.co_filename == _DYNAMIC_CODE:
+        if f.__code__.co_filename == DYNAMIC_CODE:
             f.__code__ = fix(f.__code__)
             todo.extend(f.__globals__.values())
             todo.extend(c.cell_contents for c in f.__closure__ or () if _has_contents(c))
@@ -173,7 +173,6 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-AGENT_PID_ENV = "TRAINFLOW_AGENT_PID"
 
 
 def _die_with_agent() -> None:
@@ -228,25 +227,25 @@ def main(run_dir: str) -> None:
         print(f"--- restart attempt {attempt} ---", flush=True)
 
     spec = rd.read_spec()
-    forked = spec["start_method"] == "fork"
+    forked = spec.start_method == "fork"
     if forked:
         # A forked rank ends in `os._exit`, which skips exit handlers: run the rank's own at
         # the end (streaming's unlinks its shared memory there; skipped, the resource tracker
         # warns of leaked objects), never the agent's, inherited through the fork.
-        atexit._clear()
+        stdlib.clear_exit_handlers()
     os.environ[runtime.RUN_DIR_ENV] = str(rd.path)
-    os.environ[runtime.COLLECTIVE_TIMEOUT_ENV] = str(spec["collective_timeout_s"])
-    for entry in reversed(spec["sys_path"]):
+    os.environ[runtime.COLLECTIVE_TIMEOUT_ENV] = str(spec.collective_timeout_s)
+    for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    _adapt.install(rd.path, rank, spec["device"])
+    cpu_fallback.install(rd.path, rank, spec.device)
 
     where = "loading the function and its arguments"
     created_group = False
     try:
         fn, args, kwargs = cloudpickle.loads(rd.payload.read_bytes())
-        _restore_source(fn, spec.get("code_files", []), _read_sources(rd))
-        if spec["init_process_group"]:
+        _restore_source(fn, spec.code_files, _read_sources(rd))
+        if spec.init_process_group:
             where = "initialising the process group"
             runtime.init_process_group()
             created_group = True
@@ -262,6 +261,6 @@ def main(run_dir: str) -> None:
         if created_group:
             runtime.destroy_process_group()
         if forked:
-            atexit._run_exitfuncs()
+            stdlib.run_exit_handlers()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,22 +1,32 @@
-"""The one module of `trainflow` that imports Prefect: rank output into Prefect run logs, and
-`remote=True` calls run on a deployment.
+"""The one module of `trainflow` that imports Prefect: rank output into Prefect run logs, a
+launch as its own task run, and the backend of `remote=True` calls, run on a deployment.
 
-`DistributedFunction.distributed()` only imports this when Prefect is already loaded (or a
-remote call is asked for), so the library and every rank stay free of Prefect.
+It imports no launch backend: `trainflow.launch.backends` hands it the launch to run. The
+backends only import it when Prefect is already loaded (or a remote call is asked for), so
+the library and every rank stay free of Prefect.
 """
 
+import base64
 import dataclasses
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
 
+import cloudpickle
 from prefect import get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.actions import ArtifactCreate
 from prefect.context import FlowRunContext, TaskRunContext
+from prefect.deployments import run_deployment
 from prefect.logging.loggers import PrefectLogAdapter, get_logger
 
-from trainflow.launcher import LaunchOptions, LaunchResult, launch, rank_label
+from trainflow.errors import LaunchError
+from trainflow.launch.plan import cluster_plan
+from trainflow.launch.ship import Shipment
+from trainflow.launch.spec import LaunchOptions, LaunchResult, LineSink, rank_label
+
+# A launch to run with the line sink given: what the backends hand to this module.
+Launch = Callable[[LineSink], LaunchResult]
 
 
 def in_prefect_run() -> bool:
@@ -45,23 +55,22 @@ def _pipeline_flow_run_id() -> UUID | None:
     return run.id
 
 
-def launch_logged(
-    fn: Callable[..., Any], args: tuple, kwargs: dict, options: LaunchOptions
-) -> LaunchResult:
-    """Launch from inside a Prefect run, forwarding each rank line to the pipeline run's logs."""
+def in_task_run() -> bool:
+    return TaskRunContext.get() is not None
+
+
+def launch_logged(name: str, options: LaunchOptions, launch: Launch) -> LaunchResult:
+    """Run `launch` from inside a Prefect run, forwarding each rank line to the pipeline run's
+    logs, and record where the rank logs are as an artifact of that run."""
     run_logger = get_run_logger()
     pipeline_run_id = _pipeline_flow_run_id()
     extra = dict(getattr(run_logger, "extra", None) or {})
     if pipeline_run_id is not None:
         extra["flow_run_id"] = str(pipeline_run_id)
     logger = PrefectLogAdapter(get_logger("prefect.task_runs"), extra=extra)
-    result = launch(
-        fn,
-        args,
-        kwargs,
-        options=options,
-        on_line=lambda r, line: logger.info("%s %s", rank_label(r, options), line),
-    )
+    result = launch(lambda r, line: logger.info("%s %s", rank_label(r, options), line))
+    if result.run_dir is None:  # the ranks ran elsewhere, and logged there
+        return result
     files = "\n".join(f"| {r} | `{p}` |" for r, p in result.log_files.items())
     logger.info("Full rank logs: %s", result.run_dir / "logs")
     task_context = TaskRunContext.get()
@@ -71,7 +80,7 @@ def launch_logged(
                 key="rank-logs",
                 type="markdown",
                 data=(
-                    f"### Rank logs of `{getattr(fn, '__name__', 'fn')}`\n\n"
+                    f"### Rank logs of `{name}`\n\n"
                     f"{result.resources.world_size} ranks on {result.resources.device}\n\n"
                     f"| rank | log file |\n|---|---|\n{files}\n"
                 ),
@@ -83,20 +92,30 @@ def launch_logged(
     return result
 
 
-def launch_in_prefect(
-    fn: Callable[..., Any], args: tuple, kwargs: dict, options: LaunchOptions
-) -> LaunchResult:
-    """In a flow, the launch becomes its own task run; inside a task it logs to that task."""
-    if TaskRunContext.get() is not None:
-        return launch_logged(fn, args, kwargs, options)
-    name = getattr(fn, "__name__", "fn")
+def as_task_run(name: str, options: LaunchOptions, launch: Launch) -> LaunchResult:
+    """Run `launch` as a task run of its own in the current flow run, logged there."""
     as_task = task(
         name=f"{name}.distributed",
         task_run_name=f"{name}.distributed[{options.gpus}]",
         cache_policy=NO_CACHE,
         persist_result=False,
     )(launch_logged)
-    return as_task(fn, args, kwargs, options)
+    return as_task(name, options, launch)
+
+
+class RemoteDeployment:
+    """The backend of `remote=True`: the call runs on a deployment of
+    `flows/remote.py:remote_call`, whose workers have the GPUs."""
+
+    def __init__(self, deployment: str, options: LaunchOptions):
+        self.deployment = deployment
+        self.options = options
+
+    def run(self, shipment: Shipment) -> LaunchResult:
+        options = self.options
+        values = run_remote(self.deployment, shipment.payload, options)
+        plan = cluster_plan(options.gpus, options.gpu_type, options.nnodes, self.deployment)
+        return LaunchResult(values, None, {}, plan, list(range(len(values))))
 
 
 def run_remote(deployment: str, payload: bytes, options: LaunchOptions) -> list[Any]:
@@ -105,13 +124,6 @@ def run_remote(deployment: str, payload: bytes, options: LaunchOptions) -> list[
     Waits for the flow run. Its result (the per-rank values, pickled) comes back through the
     deployment's result storage, which must be one this process can read too.
     """
-    import base64
-
-    import cloudpickle
-    from prefect.deployments import run_deployment
-
-    from trainflow.errors import LaunchError
-
     settings = {**dataclasses.asdict(options), "remote": False}
     flow_run: Any = run_deployment(
         deployment,
@@ -135,4 +147,11 @@ def run_remote(deployment: str, payload: bytes, options: LaunchOptions) -> list[
     return cloudpickle.loads(base64.b64decode(state.result()))
 
 
-__all__ = ["in_prefect_run", "launch_in_prefect", "launch_logged", "run_remote"]
+__all__ = [
+    "RemoteDeployment",
+    "as_task_run",
+    "in_prefect_run",
+    "in_task_run",
+    "launch_logged",
+    "run_remote",
+]

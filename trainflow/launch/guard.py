@@ -1,6 +1,6 @@
 """Run a helper command that must never outlive the process that needs it.
 
-    python -m trainflow._guard PARENT_PID -- CMD [ARGS...]
+    python -m trainflow.launch.guard PARENT_PID -- CMD [ARGS...]
 
 Started in its own session (`start_new_session=True`), the guard leads a process group that
 holds the command and anything the command starts. Being in another session keeps a terminal's
@@ -77,7 +77,9 @@ def stop_group(child: subprocess.Popen | None, grace_s: float = GRACE_S) -> None
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m trainflow._guard PARENT_PID -- CMD [ARGS...]", file=sys.stderr)
+        print(
+            "usage: python -m trainflow.launch.guard PARENT_PID -- CMD [ARGS...]", file=sys.stderr
+        )
         return 2
     parent_pid, command = int(argv[0]), argv[2:]
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -21,10 +21,19 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
+
+from trainflow.errors import LaunchConfigError
+from trainflow.launch.spec import LaunchSpec
+
+KEEP_RUNS_ENV = "TRAINFLOW_KEEP_RUNS"
+DEFAULT_KEEP_RUNS = 50
 
 _RANK_FILE = re.compile(r"^rank_(\d+)\.(log|pkl|err|pid|beat|stops)$")
 
@@ -111,17 +120,18 @@ class RunDir:
         return self.path / "ranks"
 
     def create(
-        self, spec: dict[str, Any], payload: bytes, sources: dict[str, list[str]] | None = None
+        self, spec: LaunchSpec, payload: bytes, sources: dict[str, list[str]] | None = None
     ) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.results.mkdir(parents=True, exist_ok=True)
         self.ranks.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.spec, json.dumps(spec, indent=2).encode())
+        _atomic_write(self.spec, spec.to_json().encode())
         _atomic_write(self.sources, json.dumps(sources or {}).encode())
         _atomic_write(self.payload, payload)
 
-    def read_spec(self) -> dict[str, Any]:
-        return json.loads(self.spec.read_text())
+    def read_spec(self) -> LaunchSpec:
+        """The launch's spec, checked (`LaunchSpecError` names what this release cannot read)."""
+        return LaunchSpec.from_json(self.spec.read_text())
 
     def log_path(self, rank: int) -> Path:
         return self.logs / f"rank_{rank}.log"
@@ -201,3 +211,34 @@ class RunDir:
         for files in (self.result_files(), self.error_files()):
             for path in files.values():
                 path.unlink(missing_ok=True)
+
+
+def keep_run_dirs() -> int:
+    """How many launch folders `prune_run_dirs` keeps (TRAINFLOW_KEEP_RUNS, default 50)."""
+    value = os.environ.get(KEEP_RUNS_ENV, "")
+    if not value:
+        return DEFAULT_KEEP_RUNS
+    if not value.isdigit() or int(value) < 1:
+        raise LaunchConfigError(f"{KEEP_RUNS_ENV}={value!r}: give a whole number of at least 1")
+    return int(value)
+
+
+def prune_run_dirs(root: Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` launch folders in `root`; never one still in use.
+
+    A folder is in use while the process that launched it lives. Returns what was removed.
+    """
+    if not root.is_dir():
+        return []
+    folders = sorted(
+        (d for d in root.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime, reverse=True
+    )
+    removed = []
+    for folder in folders[keep:]:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            caller = json.loads((folder / "spec.json").read_text())["caller_pid"]
+            if psutil.pid_exists(caller):
+                continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed

@@ -1,11 +1,10 @@
 """The helper process that hosts torch's elastic agent for one launch.
 
-Started by the caller in its own session (`python -m trainflow._agent RUN_DIR`), so that the
+Started by the caller in its own session (`python -m trainflow.launch.agent RUN_DIR`), so that the
 agent, its workers and anything they start form one process group the caller can stop at once,
 and the caller's process keeps no elastic signal handlers or multiprocessing helpers behind.
 """
 
-import atexit
 import contextlib
 import ctypes
 import gc
@@ -20,17 +19,18 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import IO, Any
 
 import psutil
-from torch.distributed.elastic.agent.server.api import WorkerGroup
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainflow import _worker
-from trainflow.run_dir import RunDir
+from trainflow.compat import stdlib
+from trainflow.compat import torch as compat_torch
+from trainflow.launch import worker
+from trainflow.launch.run_dir import RunDir
+from trainflow.launch.spec import AGENT_PID_ENV
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
@@ -82,36 +82,13 @@ def _exit_with_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def _caller_name(depth: int = 2) -> str:
-    """torch's rendezvous names the method behind each event it records with
-    `inspect.stack()`, which reads every frame's source and searches every loaded module for
-    it: tens of milliseconds a call in an agent that has imported transformers and TRL (4600
-    modules), several calls per rendezvous and per shutdown. The name alone comes from the
-    frame, as here (depth 0 is this function, as in torch's)."""
-    try:
-        return sys._getframe(depth).f_code.co_name
-    except ValueError:
-        return "no_method_name"
-
-
-def _kill_workers(agent: LocalElasticAgent, worker_group: WorkerGroup) -> None:
-    """How the agent stops its workers after a failure or before a restart: SIGKILL.
-
-    Torch sends SIGTERM, but our ranks treat SIGTERM as a request to stop at the end of the
-    step (`runtime.should_stop`), which ranks waiting on a dead peer never reach: the agent
-    would wait its 30 s before it kills them. Ranks used to die on that SIGTERM at once, with
-    no cleanup; SIGKILL keeps that. A SIGTERM to the agent itself (a node shutdown, the
-    caller's Ctrl-C) still reaches the workers as SIGTERM, with `shutdown_timeout` to stop.
-    """
-    agent._shutdown(death_sig=signal.SIGKILL)
-
-
 def _preload(name: str) -> tuple[list[str], list[str]]:
     """Import module `name`, then the modules it lists in `RANK_IMPORTS` that are installed:
     what its ranks import only once they run (a workload module stays light for the flow's
     process, which imports it too but never trains). Returns the names imported and, for
     each that failed, `module: error`; one failure does not stop the rest."""
-    done, failed = [], []
+    done: list[str] = []
+    failed: list[str] = []
     try:
         module = importlib.import_module(name)
     except Exception as exc:
@@ -147,32 +124,20 @@ def _warm_up(preload: list[str]) -> None:
                 print(f"standby agent: ran {ref} in {took:.1f}s", flush=True)
 
 
-def _write_outcome(output: str, outcome: dict[str, object]) -> None:
-    path = Path(output)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(outcome))
-    os.replace(partial, path)
-
-
-def run_calls(request: str) -> None:
+def run_calls(calls: list[dict[str, Any]], outcomes: IO[str]) -> None:
     """Run the calls the caller asked for ahead (a check first), importing what they need here.
 
-    `request` is a JSON file: a list of calls, each `function` (module:function, called with
-    `argument`, a JSON value) and `output`, where its outcome goes, written at once when
-    complete: `value` (what it returned), `refused` (the message of the `ValueError` it
-    raised: the config or data is wrong) or `failed` (any other error's traceback). After one
-    that does not return a value, the rest are `skipped`: the caller does them if it still
-    needs them.
+    Each call is `function` (module:function, called with `argument`, a JSON value). Its
+    outcome is written to `outcomes` as one JSON line as soon as it is known: `value` (what it
+    returned), `refused` (the message of the `ValueError` it raised: the config or data is
+    wrong) or `failed` (any other error's traceback). After one that does not return a value,
+    the rest are `skipped`: the caller does them if it still needs them.
     """
-    try:
-        calls = json.loads(Path(request).read_text())
-    except (OSError, ValueError) as exc:  # the caller went on without it
-        print(f"standby agent: no check to run ({exc})", flush=True)
-        return
     skip = None
     for call in calls:
         if skip is not None:
-            _write_outcome(call["output"], {"skipped": skip})
+            outcomes.write(json.dumps({"skipped": skip}) + "\n")
+            outcomes.flush()
             continue
         started = time.monotonic()
         try:
@@ -183,7 +148,8 @@ def run_calls(request: str) -> None:
             outcome = {"refused": str(exc)}
         except Exception:
             outcome = {"failed": traceback.format_exc()}
-        _write_outcome(call["output"], outcome)
+        outcomes.write(json.dumps(outcome) + "\n")
+        outcomes.flush()
         took = time.monotonic() - started
         print(f"standby agent: ran {call['function']} in {took:.1f}s", flush=True)
         if "value" not in outcome:
@@ -194,24 +160,29 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def standby(log: str, preload: list[str], check: str | None = None) -> int:
+def standby(log: str, preload: list[str], outcomes_fd: int) -> int:
     """Run the caller's calls ahead (`run_calls`), import `preload`, then run the launch whose
     folder the caller writes to stdin.
 
-    An import that fails here is left for the ranks, which raise it with their rank's context.
-    Output so far (warnings of the imports) goes to the launch's agent log once it is known.
+    The calls come as the first line of stdin, their outcomes go back through `outcomes_fd`
+    (see `trainflow.launch.standby`). An import that fails here is left for the ranks, which
+    raise it with their rank's context. Output so far (warnings of the imports) goes to the
+    launch's agent log once it is known.
     """
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    if check is not None:
-        # First, with only what the calls import: the caller waits for their answers, not for
-        # the ranks' libraries, and goes on while they load. A caller that stops meanwhile
-        # (Ctrl-C) sends SIGTERM first: a call writing files (a dataset's staging folder)
-        # removes them on its way out.
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        try:
-            run_calls(check)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+    line = sys.stdin.readline()
+    calls = json.loads(line) if line.strip() else []
+    with os.fdopen(outcomes_fd, "w") as outcomes:
+        if calls:
+            # First, with only what the calls import: the caller waits for their answers, not
+            # for the ranks' libraries, and goes on while they load. A caller that stops
+            # meanwhile (Ctrl-C) sends SIGTERM first: a call writing files (a dataset's
+            # staging folder) removes them on its way out.
+            previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            try:
+                run_calls(calls, outcomes)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
     started = time.monotonic()
     imported: list[str] = []
     for name in preload:
@@ -254,45 +225,40 @@ def main(run_dir: str, watching: bool = False) -> int:
     spec = rd.read_spec()
     _adopt_orphans()
     if not watching:
-        threading.Thread(target=_exit_with_parent, args=(spec["caller_pid"],), daemon=True).start()
-    LocalElasticAgent._stop_workers = _kill_workers  # type: ignore[method-assign]
-    if hasattr(dynamic_rendezvous, "get_method_name"):
-        dynamic_rendezvous.get_method_name = _caller_name
+        threading.Thread(target=_exit_with_parent, args=(spec.caller_pid,), daemon=True).start()
+    compat_torch.stop_workers_with_sigkill()
+    compat_torch.name_rendezvous_events_cheaply()
     # torch's process starter gives each rank a `pytorch-errorfile-*.pickle` in the temp folder
     # for its traceback and never removes it: keep those with this launch's logs. Ranks go back
-    # to the system's temp folder (`_worker._reset_process_state`).
+    # to the system's temp folder (`worker._reset_process_state`).
     tempfile.tempdir = str(rd.elastic_tmp)
     rd.elastic_tmp.mkdir(parents=True, exist_ok=True)
 
-    rdzv_configs: dict[str, object] = {"timeout": spec["rdzv_timeout_s"]}
-    if spec.get("rdzv_is_host") is not None:
+    rdzv_configs: dict[str, object] = {"timeout": spec.rdzv_timeout_s}
+    if spec.rdzv_is_host is not None:
         # The launcher that placed the nodes says which one hosts the rendezvous store; two
         # nodes on one host (or behind one address) would otherwise both try to.
-        rdzv_configs["is_host"] = spec["rdzv_is_host"]
-    # torch before 2.8 (a framework's own environment) has no `shutdown_timeout`: its agent
-    # then keeps its fixed 30 s grace.
-    since_2_8 = (
-        {"shutdown_timeout": spec["shutdown_timeout_s"]}
-        if "shutdown_timeout" in LaunchConfig.__dataclass_fields__
-        else {}
-    )
+        rdzv_configs["is_host"] = spec.rdzv_is_host
     config = LaunchConfig(
-        min_nodes=spec.get("min_nodes") or spec["nnodes"],
-        max_nodes=spec["nnodes"],
-        nproc_per_node=spec["nproc_per_node"],
-        run_id=spec["run_id"],
+        min_nodes=spec.min_nodes or spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.nproc_per_node,
+        run_id=spec.run_id,
         rdzv_backend="c10d",
-        rdzv_endpoint=spec["rdzv_endpoint"],
+        rdzv_endpoint=spec.rdzv_endpoint,
         rdzv_configs=rdzv_configs,
-        max_restarts=spec["max_restarts"],
+        max_restarts=spec.max_restarts,
         monitor_interval=0.1,
-        start_method=spec["start_method"],
-        **since_2_8,
+        start_method=spec.start_method,
         logs_specs=DefaultLogsSpecs(log_dir=str(rd.elastic)),
     )
-    os.environ[_worker.AGENT_PID_ENV] = str(os.getpid())  # the ranks' parent (see _worker)
+    # torch before 2.8 (a framework's own environment) has no `shutdown_timeout`: its agent
+    # then keeps its fixed 30 s grace. Seconds may be fractional, as torch's wait takes them.
+    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:
+        setattr(config, "shutdown_timeout", spec.shutdown_timeout_s)  # noqa: B010
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the ranks' parent (see `worker`)
     try:
-        elastic_launch(config, _worker.main)(str(rd.path))
+        elastic_launch(config, worker.main)(str(rd.path))
     except ChildFailedError as exc:
         rd.agent_error.write_text(exc.format_msg())
         return 1
@@ -306,20 +272,11 @@ def main(run_dir: str, watching: bool = False) -> int:
     return 0
 
 
-def _exit(code: int) -> None:
-    """Exit once the launch is over: the exit handlers run, the interpreter's teardown of the
-    modules the agent imported for its ranks (a second and more with transformers loaded,
-    which the caller would wait for) does not."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "--standby":
-        # --standby LOG [--check REQUEST] MODULE...
-        if sys.argv[3:4] == ["--check"]:
-            _exit(standby(sys.argv[2], sys.argv[5:], check=sys.argv[4]))
-        _exit(standby(sys.argv[2], sys.argv[3:]))
-    _exit(main(sys.argv[1]))
+        # --standby LOG --outcomes FD MODULE...
+        stdlib.exit_now(standby(sys.argv[2], sys.argv[5:], outcomes_fd=int(sys.argv[4])))
+    # Once the launch is over the exit handlers run; the interpreter's teardown of the
+    # modules the agent imported for its ranks (a second and more with transformers loaded,
+    # which the caller would wait for) does not.
+    stdlib.exit_now(main(sys.argv[1]))

@@ -1,0 +1,246 @@
+"""Patches into torch: its elastic agent (how it stops workers, how its rendezvous names
+events), and GPU calls made on CPU ranks (`cpu_fallback`).
+
+Written and tested for torch 2.14 (trainflow's own environment) and the torch of each
+framework's environment (2.7 for LLM Foundry, 2.13 for Axolotl): the agent and the ranks run
+there too.
+"""
+
+import inspect
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from trainflow.compat.adaptations import note
+from trainflow.compat.patching import declare, relies_on, replace, skip
+
+TORCH = ">=2.7,<2.15"
+_AGENT = "torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent"
+
+STOP_WORKERS = declare(
+    "torch: LocalElasticAgent._stop_workers",
+    "torch",
+    TORCH,
+    target=f"{_AGENT}._stop_workers",
+    params=("self", "worker_group"),
+    why="the agent kills failed attempts' survivors with SIGKILL instead of a SIGTERM that "
+    "our ranks only note (a 30 s wait before every restart)",
+)
+SHUTDOWN = declare(
+    "torch: LocalElasticAgent._shutdown",
+    "torch",
+    TORCH,
+    target=f"{_AGENT}._shutdown",
+    params=("death_sig",),
+    why="called by the `_stop_workers` replacement with death_sig=SIGKILL",
+)
+GET_METHOD_NAME = declare(
+    "torch: dynamic_rendezvous.get_method_name",
+    "torch",
+    TORCH,
+    target="torch.distributed.elastic.rendezvous.dynamic_rendezvous:get_method_name",
+    params=("depth",),
+    why="torch names each rendezvous event with inspect.stack(), tens of ms a call in an agent "
+    "that has imported transformers",
+)
+INIT_PROCESS_GROUP = declare(
+    "torch: distributed_c10d.init_process_group",
+    "torch",
+    TORCH,
+    target="torch.distributed.distributed_c10d:init_process_group",
+    params=("backend", "device_id"),
+    why="CPU ranks: init_process_group('nccl') runs with gloo, device_id dropped",
+)
+NEW_GROUP = declare(
+    "torch: distributed_c10d.new_group",
+    "torch",
+    TORCH,
+    target="torch.distributed.distributed_c10d:new_group",
+    params=("backend",),
+    why="CPU ranks: new_group(backend='nccl') runs with gloo",
+)
+SET_DEVICE = declare(
+    "torch: cuda.set_device",
+    "torch",
+    TORCH,
+    target="torch.cuda:set_device",
+    params=("device",),
+    why="CPU ranks: torch.cuda.set_device does nothing",
+)
+INIT_DEVICE_MESH = declare(
+    "torch: device_mesh.init_device_mesh",
+    "torch",
+    TORCH,
+    target="torch.distributed.device_mesh:init_device_mesh",
+    params=("device_type",),
+    why="CPU ranks: init_device_mesh('cuda') builds a CPU mesh",
+)
+AUTOCAST = declare(
+    "torch: amp.autocast.__init__",
+    "torch",
+    TORCH,
+    target="torch.amp.autocast_mode:autocast.__init__",
+    params=("self", "device_type", "dtype"),
+    why="CPU ranks: torch.autocast('cuda', dtype=torch.bfloat16) autocasts on the CPU",
+)
+DDP_INIT = declare(
+    "torch: DistributedDataParallel.__init__",
+    "torch",
+    TORCH,
+    target="torch.nn.parallel:DistributedDataParallel.__init__",
+    params=("self", "module", "device_ids", "output_device"),
+    why="CPU ranks: DistributedDataParallel(device_ids=[i]) of a CPU module drops device_ids",
+)
+
+
+# --- the elastic agent -------------------------------------------------------------------------
+
+
+def stop_workers_with_sigkill() -> None:
+    """Have the agent stop its workers after a failure or before a restart with SIGKILL.
+
+    Torch sends SIGTERM, but our ranks treat SIGTERM as a request to stop at the end of the
+    step (`runtime.should_stop`), which ranks waiting on a dead peer never reach: the agent
+    would wait its 30 s before it kills them. Ranks used to die on that SIGTERM at once, with
+    no cleanup; SIGKILL keeps that. A SIGTERM to the agent itself (a node shutdown, the
+    caller's Ctrl-C) still reaches the workers as SIGTERM, with `shutdown_timeout` to stop.
+    Without `_shutdown(death_sig=...)` torch's own 30 s wait stays (slower, not wrong).
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    gone = relies_on(SHUTDOWN)
+    if gone:
+        skip(SHUTDOWN, "; ".join(gone))
+        return
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _stop_workers(self: Any, worker_group: Any, *args: Any, **kwargs: Any) -> None:
+            self._shutdown(death_sig=signal.SIGKILL)
+
+        return _stop_workers
+
+    replace(STOP_WORKERS, LocalElasticAgent, "_stop_workers", make)
+
+
+def caller_name(depth: int = 2) -> str:
+    """The name of the function `depth` frames up (0: this one), from the frame alone, where
+    torch's `get_method_name` reads every frame's source with `inspect.stack()`."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:
+        return "no_method_name"
+
+
+def name_rendezvous_events_cheaply() -> None:
+    """torch's rendezvous names the method behind each event it records with
+    `inspect.stack()`, which reads every frame's source and searches every loaded module for
+    it: tens of milliseconds a call in an agent that has imported transformers and TRL (4600
+    modules), several calls per rendezvous and per shutdown. The name alone comes from the
+    frame (`caller_name`)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_method_name(depth: int = 2) -> str:
+            return caller_name(depth + 1)  # one frame more: this one
+
+        return get_method_name
+
+    replace(GET_METHOD_NAME, dynamic_rendezvous, "get_method_name", make)
+
+
+# --- GPU calls on CPU ranks --------------------------------------------------------------------
+
+
+def _bound(fn: Callable[..., Any], args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound
+
+
+def _is_nccl(backend: object) -> bool:
+    return backend is not None and "nccl" in str(backend).lower()
+
+
+def _gloo_for_nccl(
+    called: str, drop_device_id: bool
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A group constructor with nccl run as gloo (and `device_id` dropped); `called` is how
+    the note shows the nccl call."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def create(*args: Any, **kwargs: Any) -> Any:
+            bound = _bound(original, args, kwargs)
+            if _is_nccl(bound.arguments.get("backend")):
+                bound.arguments["backend"] = "gloo"
+                note(f"{called} runs with gloo")
+            if drop_device_id and bound.arguments.get("device_id") is not None:
+                bound.arguments["device_id"] = None
+                note("init_process_group(device_id=...) is ignored")
+            return original(*bound.args, **bound.kwargs)
+
+        return create
+
+    return make
+
+
+def adapt_for_cpu() -> None:
+    """GPU calls run on CPU ranks: nccl groups as gloo, CUDA meshes and autocast on the CPU,
+    `set_device` and DDP's `device_ids` ignored. Each adaptation made is noted."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed import device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    make_init = _gloo_for_nccl("init_process_group('nccl')", drop_device_id=True)
+    if replace(INIT_PROCESS_GROUP, c10d, "init_process_group", make_init):
+        dist.init_process_group = c10d.init_process_group
+    make_group = _gloo_for_nccl("new_group(backend='nccl')", drop_device_id=False)
+    if replace(NEW_GROUP, c10d, "new_group", make_group):
+        dist.new_group = c10d.new_group
+
+    def make_set_device(original: Callable[..., Any]) -> Callable[..., Any]:
+        def set_device(device: object) -> None:
+            note("torch.cuda.set_device(...) does nothing")
+
+        return set_device
+
+    replace(SET_DEVICE, torch.cuda, "set_device", make_set_device)
+
+    def make_mesh(original: Callable[..., Any]) -> Callable[..., Any]:
+        def init_device_mesh(device_type: str, *args: Any, **kwargs: Any) -> Any:
+            if device_type == "cuda":
+                device_type = "cpu"
+                note("init_device_mesh('cuda', ...) builds a CPU mesh")
+            return original(device_type, *args, **kwargs)
+
+        return init_device_mesh
+
+    if replace(INIT_DEVICE_MESH, device_mesh, "init_device_mesh", make_mesh):
+        dist.init_device_mesh = device_mesh.init_device_mesh  # type: ignore[attr-defined]
+
+    def make_autocast(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, device_type: str, dtype: Any = None, *args: Any, **kw: Any) -> None:
+            if device_type == "cuda" and dtype == torch.bfloat16:
+                device_type = "cpu"
+                note("torch.autocast('cuda', dtype=torch.bfloat16) autocasts on the CPU")
+            original(self, device_type, dtype, *args, **kw)
+
+        return __init__
+
+    replace(AUTOCAST, torch.amp.autocast_mode.autocast, "__init__", make_autocast)
+
+    def make_ddp_init(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+            bound = _bound(original, (self, module, *args), kwargs)
+            on_cpu = all(p.device.type == "cpu" for p in module.parameters())
+            if on_cpu and bound.arguments.get("device_ids") is not None:
+                bound.arguments["device_ids"] = None
+                bound.arguments["output_device"] = None
+                note("DistributedDataParallel(device_ids=...) of a CPU module drops device_ids")
+            original(*bound.args, **bound.kwargs)
+
+        return __init__
+
+    replace(DDP_INIT, DistributedDataParallel, "__init__", make_ddp_init)
