@@ -30,7 +30,7 @@ from trainflow.compat import stdlib
 from trainflow.compat import torch as compat_torch
 from trainflow.launch import worker
 from trainflow.launch.run_dir import RunDir
-from trainflow.launch.spec import AGENT_PID_ENV
+from trainflow.launch.spec import AGENT_PID_ENV, LaunchSpecError
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
@@ -222,7 +222,11 @@ def standby(log: str, preload: list[str], outcomes_fd: int) -> int:
 def main(run_dir: str, watching: bool = False) -> int:
     global _run_dir
     rd = _run_dir = RunDir(Path(run_dir))
-    spec = rd.read_spec()
+    try:
+        spec = rd.read_spec()
+    except LaunchSpecError as exc:  # a caller on another trainflow release: say so, no rank
+        rd.agent_error.write_text(f"{exc}\n")
+        return 2
     _adopt_orphans()
     if not watching:
         threading.Thread(target=_exit_with_parent, args=(spec.caller_pid,), daemon=True).start()
