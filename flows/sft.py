@@ -127,9 +127,7 @@ def plan_memory(config: SFTConfig) -> MemoryPlan:
 def record_memory_plan(run_id: str, plan: MemoryPlan) -> None:
     """The estimate and the technique chosen as `memory.*` params of the run; a continued run
     keeps the values it was started with."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking.tracking_uri())
+    client = tracking.store_client()
     logged = client.get_run(run_id).data.params
     for key, value in plan.params().items():
         if key not in logged:

@@ -67,7 +67,7 @@ def store_lock() -> Iterator[None]:
 _READY: set[str] = set()
 
 
-def _client() -> Any:
+def store_client() -> Any:
     """A client of the configured store; the first one per process creates the store (locked)."""
     from mlflow.tracking import MlflowClient
 
@@ -117,7 +117,7 @@ class MlflowSink:
 
         self._metric = Metric
         self.run_id = run_id
-        self.client = _client()
+        self.client = store_client()
         self.flush_every = flush_every
         self._queue: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
         self._stored = threading.Condition()
@@ -499,7 +499,7 @@ def pipeline_run(
 
     global _last_run_id
     mlflow.set_tracking_uri(tracking_uri())
-    client = _client()
+    client = store_client()
     # Under the lock: two runs starting together must not both create the experiment, and a
     # run being resumed must not be reaped or resumed by another process meanwhile.
     with store_lock():
@@ -540,7 +540,7 @@ def find_unfinished_run(experiment: str, tag: str, value: str) -> str | None:
     A retried Prefect flow run finds the MLflow run its earlier attempt opened (tagged with the
     flow run id) and continues it (`pipeline_run(..., resume_run_id=...)`).
     """
-    client = _client()
+    client = store_client()
     found = client.get_experiment_by_name(experiment)
     if found is None:
         return None
@@ -563,7 +563,7 @@ def find_unfinished_run(experiment: str, tag: str, value: str) -> str | None:
 
 def run_status(run_id: str) -> str:
     """The run's status in the store (RUNNING, FINISHED, FAILED, KILLED, ...)."""
-    return str(_client().get_run(run_id).info.status)
+    return str(store_client().get_run(run_id).info.status)
 
 
 def log_metrics(run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
@@ -572,7 +572,7 @@ def log_metrics(run_id: str, metrics: Mapping[str, float], step: int = 0) -> Non
 
     now = int(time.time() * 1000)
     batch = [Metric(key, float(value), now, step) for key, value in metrics.items()]
-    _client().log_batch(run_id, metrics=batch)
+    store_client().log_batch(run_id, metrics=batch)
 
 
 def register_pytorch_model(
@@ -624,7 +624,7 @@ def _model_card(text: str) -> Any:
 
 
 def _tag_version(registered_model_name: str, version: str, tags: Mapping[str, str]) -> str:
-    client = _client()
+    client = store_client()
     for key, value in tags.items():
         client.set_model_version_tag(registered_model_name, version, key, value)
     return version
@@ -756,7 +756,7 @@ def register_logged_model(
 
 def child_runs(parent_run_id: str) -> dict[str, str]:
     """Run name -> run id of the runs nested under `parent_run_id` (in its experiment)."""
-    client = _client()
+    client = store_client()
     parent = client.get_run(parent_run_id)
     runs = client.search_runs(
         [parent.info.experiment_id],
@@ -768,12 +768,12 @@ def child_runs(parent_run_id: str) -> dict[str, str]:
 
 def metric_history(run_id: str, key: str) -> dict[int, float]:
     """Step -> value of metric `key` logged to the run so far (empty when none yet)."""
-    return {m.step: m.value for m in _client().get_metric_history(run_id, key)}
+    return {m.step: m.value for m in store_client().get_metric_history(run_id, key)}
 
 
 def end_run(run_id: str, status: str, tags: Mapping[str, str]) -> None:
     """Set tags on a run and end it with `status`, e.g. a sweep's trial it stopped early."""
-    client = _client()
+    client = store_client()
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     client.set_terminated(run_id, status=status)
@@ -781,17 +781,17 @@ def end_run(run_id: str, status: str, tags: Mapping[str, str]) -> None:
 
 def delete_model_version(registered_model_name: str, version: str) -> None:
     """Remove a version from the registry (its run and artifacts stay)."""
-    _client().delete_model_version(registered_model_name, version)
+    store_client().delete_model_version(registered_model_name, version)
 
 
 def set_alias(registered_model_name: str, version: str, alias: str) -> None:
     """Point `alias` (e.g. 'champion') of a registered model at `version`."""
-    _client().set_registered_model_alias(registered_model_name, alias, version)
+    store_client().set_registered_model_alias(registered_model_name, alias, version)
 
 
 def log_figure(run_id: str, figure: Any, artifact_file: str) -> None:
     """Attach a matplotlib figure to a run as an image (`artifact_file`, e.g. loss_curve.png)."""
-    _client().log_figure(run_id, figure, artifact_file)
+    store_client().log_figure(run_id, figure, artifact_file)
 
 
 def code_version() -> str:

@@ -9,10 +9,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
 
 from flows.detection import PLOT_FILE, detection
 from tests.conftest import REPO_ROOT
+from trainflow import tracking
 from trainflow.configs.detection import DetectionConfig
 from trainflow.data.shapes import ShapesSpec, render
 from trainflow.paths import trainflow_home
@@ -34,7 +34,7 @@ def test_detection_pipeline_registers_a_model_that_finds_the_shapes(prefect_api)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert re.search(r"Model +: det-e2e version 1", out)
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     version = client.get_model_version("det-e2e", "1")
     run = client.get_run(version.run_id)
     metrics = run.data.metrics
@@ -91,7 +91,7 @@ def test_flow_refuses_a_config_its_check_rejects_before_the_mlflow_run(prefect_a
     config = DetectionConfig(data={"num_eval_images": 1, "num_classes": 4})
     with pytest.raises(ValueError, match=r"data\.num_eval_images=1"):
         detection(config)
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     experiment = client.get_experiment_by_name("detection")
     assert experiment is None or client.search_runs([experiment.experiment_id]) == []
     assert not (trainflow_home() / "runs").exists()

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
 from prefect import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from tests.conftest import REPO_ROOT
+from trainflow import tracking
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def test_mlp_pipeline_registers_a_model_that_learned(prefect_api, tmp_path):
     out = proc.stdout + proc.stderr
     assert re.search(r"Model +: mlp-e2e version 1", out)
     assert "[rank 1]" not in out or "Task run" in out  # rank lines are routed through Prefect
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     version = client.get_model_version("mlp-e2e", "1")
     run = client.get_run(version.run_id)
     assert run.info.status == "FINISHED"
@@ -104,7 +104,7 @@ def test_mlp_pipeline_that_does_not_learn_registers_nothing(prefect_api):
         "--max-steps", "1", "--learning-rate", "1e-9", "--registered-model-name", "mlp-gate"
     )
     assert "not registered" in proc.stdout
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     assert client.search_model_versions("name='mlp-gate'") == []
 
 
@@ -114,7 +114,7 @@ def test_mlp_pipeline_failing_in_training_marks_the_run_failed(prefect_api):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "timed out after 2s" in out
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     experiment = client.get_experiment_by_name("mlp")
     runs = client.search_runs([experiment.experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]

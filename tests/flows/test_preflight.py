@@ -11,10 +11,10 @@ import sys
 import time
 
 import pytest
-from mlflow.tracking import MlflowClient
 
 from flows.mlp import mlp
 from tests.conftest import REPO_ROOT
+from trainflow import tracking
 from trainflow.configs.mlp import MLPConfig
 from trainflow.launch.plan import GpuInventory, ResourceError
 from trainflow.paths import trainflow_home
@@ -50,7 +50,7 @@ def test_command_line_refuses_a_missing_gpu_type_at_once(tmp_path):
 def test_flow_refuses_before_the_mlflow_run_exists(prefect_api):
     with pytest.raises(ResourceError, match="gpu_type='A100'"):
         mlp(MLPConfig(gpu_type="A100", registered_model_name="mlp-preflight"))
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     experiment = client.get_experiment_by_name("mlp")
     assert experiment is None or client.search_runs([experiment.experiment_id]) == []
     assert not (trainflow_home() / "runs").exists()
@@ -86,7 +86,7 @@ def test_sft_names_the_ranks_would_fail_on_are_refused_before_data_or_runs(
     config = SFTConfig.model_validate(load_sft_preset("debug_cpu").model_dump() | update)
     with pytest.raises(ValueError, match=re.escape(message)):
         sft(config)
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     experiment = client.get_experiment_by_name("sft")
     assert experiment is None or client.search_runs([experiment.experiment_id]) == []
     assert not (trainflow_home() / "runs").exists()  # no rank started

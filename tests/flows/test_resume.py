@@ -18,7 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO_ROOT
-from trainflow import checkpoint
+from trainflow import checkpoint, tracking
 from trainflow.paths import trainflow_home
 
 pytestmark = pytest.mark.slow
@@ -124,7 +124,7 @@ def test_sft_killed_with_its_process_group_resumes_from_its_last_checkpoint(pref
     assert f"continuing training from {latest} (step {resumed_at})" in out
     assert f"resuming from {latest} at step {resumed_at}" in out
     assert "cache hit" in out  # the data was prepared by the first run; not again
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert len(client.search_runs([run.info.experiment_id])) == 1  # the same run, continued
@@ -156,7 +156,7 @@ def test_mlp_sigterm_checkpoints_the_step_reached_and_resume_continues_from_it(p
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     assert first.returncode != 0
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     assert client.get_run(run_id).info.status == "KILLED"
     assert client.search_model_versions(f"name='{name}'") == []
     # The stop wrote a checkpoint at the step reached (not one of the every-100000 ones).
@@ -196,7 +196,7 @@ def test_a_retry_of_the_flow_run_continues_the_same_mlflow_run(prefect_api):
 
     run_id = lost_a_node_once(MLPConfig(gpu_type="cpu"))
     assert opened == [run_id, run_id]
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["trainflow.resumed"] == "1"
     assert len(client.search_runs([run.info.experiment_id])) == 1
@@ -223,7 +223,7 @@ def test_two_tower_sigterm_checkpoints_the_step_reached_and_resume_trains_only_t
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     assert first.returncode != 0
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     assert client.get_run(run_id).info.status == "KILLED"
     assert client.search_model_versions(f"name='{name}'") == []
     latest = checkpoint.latest_checkpoint(run_dir / "checkpoints")

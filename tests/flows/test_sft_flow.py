@@ -1,7 +1,6 @@
 """`python -m flows.sft` end to end for each technique: real Prefect server, 2 gloo ranks, the
 shipped instruction data, a temporary MLflow store; and a run whose rank dies mid-training."""
 
-import os
 import re
 import signal
 import subprocess
@@ -13,11 +12,11 @@ import mlflow
 import psutil
 import pytest
 from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
 
 from flows import sft as pipeline
 from tests.conftest import REPO_ROOT
 from tests.flows.test_mlp_flow import check_efficiency_figures, flow_run_artifacts
+from trainflow import tracking
 from trainflow.paths import trainflow_home
 
 pytestmark = pytest.mark.slow
@@ -51,7 +50,7 @@ def test_pipeline_registers_with_lineage_and_gates_the_alias(
     assert m["eval_perplexity"] < m["untrained_perplexity"]
     assert 0.0 <= m["eval_exact_match"] <= 1.0 and m["untrained_exact_match"] == 0.0
 
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     version = client.get_model_version(name, "1")
     tags = version.tags
     assert tags["technique"] == technique and tags["world_size"] == "2"
@@ -127,7 +126,7 @@ def test_the_pipeline_process_loads_no_model_and_imports_no_training_stack(prefe
     assert re.search(
         r"prepare-dataset-\w+' - built \S+ in the launch's agent", out.stderr + out.stdout
     )
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     version = client.get_model_version("sft-light", "1")
     assert version.run_id == said["RUN"] and version.source.startswith("models:/m-")
     logged = client.get_logged_model(version.source.removeprefix("models:/"))
@@ -174,7 +173,7 @@ def test_rank_dying_mid_training_without_retries_fails_the_run_and_registers_not
             proc.wait()
     assert proc.returncode != 0, out[-3000:]
     assert "sft pipeline finished" not in out and "rank" in out.lower()
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     runs = client.search_runs([client.get_experiment_by_name("sft").experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]
     assert client.search_model_versions("name='sft-fail'") == []

@@ -5,13 +5,11 @@ preset's technique, LoRA, precision and checkpointing settings on the tiny model
 The presets themselves need GPUs and network; these runs check that the recipe's settings go
 through the pipeline (memory plan, technique, Trainer arguments, registration)."""
 
-import os
-
 import pytest
 import yaml
-from mlflow.tracking import MlflowClient
 
 from flows import sft as pipeline
+from trainflow import tracking
 from trainflow.configs.sft import load_sft_preset, tiny_twin
 
 pytestmark = pytest.mark.slow
@@ -83,7 +81,7 @@ def test_preset_tiny_twin_trains_and_registers(
     assert result.technique == config.technique.name and result.model_version == "1"
     m = result.metrics
     assert m["eval_loss"] < m["untrained_loss"]
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
     logged = run.data.params

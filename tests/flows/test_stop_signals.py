@@ -19,7 +19,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO_ROOT
 from trainflow import tracking
@@ -146,7 +145,7 @@ def _shm_left(before: set[str], in_use: set[str], procs: list[psutil.Process]) -
 
 
 def _only_run(experiment: str = "mlp"):
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     found = client.get_experiment_by_name(experiment)
     assert found is not None, "no MLflow experiment: the run never started"
     runs = client.search_runs([found.experiment_id])

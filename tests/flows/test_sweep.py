@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.sweep import TRIAL_STATE_TAG, SweepConfig, sweep
 from tests.conftest import REPO_ROOT
+from trainflow import tracking
 from trainflow.paths import run_output_dir
 from trainflow.sweep import study_storage
 
@@ -33,7 +34,7 @@ TINY = {
 
 
 def _client() -> MlflowClient:
-    return MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    return tracking.store_client()
 
 
 def _children(parent: str) -> list:

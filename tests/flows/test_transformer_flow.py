@@ -1,14 +1,12 @@
 """`python -m flows.transformer` end to end for each technique: real Prefect server, 2 gloo
 ranks, a temporary MLflow store; and the technique subflows' checks before launch."""
 
-import os
-
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
 
 from flows import transformer as pipeline
 from flows.techniques import techniques
+from trainflow import tracking
 from trainflow.models.mlp import SimpleMLP
 from trainflow.paths import trainflow_home
 from trainflow.strategies import STRATEGIES, FSDPConfig
@@ -47,7 +45,7 @@ def test_pipeline_registers_the_model_whichever_technique(prefect_api, technique
     result = pipeline.main(args if name == "fsdp" else [*args, "--technique", technique])
     assert result.technique == name and result.model_version == "1"
     assert result.checkpoint_uri.endswith("/checkpoints/step_000030")
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     version = client.get_model_version(model_name, "1")
     assert version.tags["technique"] == name
     assert version.tags["world_size"] == str(world_size)

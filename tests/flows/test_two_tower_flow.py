@@ -3,14 +3,13 @@ running the Lightning Trainer, real MDS shards, a temporary MLflow store; and ba
 fails before launch."""
 
 import json
-import os
 
 import mlflow
 import pandas as pd
 import pytest
-from mlflow.tracking import MlflowClient
 
 from flows import two_tower as pipeline
+from trainflow import tracking
 from trainflow.paths import run_output_dir, trainflow_home
 
 pytestmark = pytest.mark.slow
@@ -41,7 +40,7 @@ def test_pipeline_trains_on_two_lightning_ranks_and_registers_a_recommender(pref
     trained_ids = {i for lines in ranks.values() for step in lines for i in step["ids"]}
     assert max(trained_ids) < 20000 - 2000 - 1800
 
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
     steps = [h.step for h in client.get_metric_history(run.info.run_id, "train_loss")]
@@ -77,7 +76,7 @@ def test_bad_input_fails_before_launch_naming_the_field(args, field, capsys):
         pipeline.main([*args, "--registered-model-name", "two-tower-bad"])
     assert exit_info.value.code == 2
     assert field in capsys.readouterr().err
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     assert client.get_experiment_by_name("two_tower") is None
     assert not (trainflow_home() / "runs").exists()
 

@@ -7,13 +7,12 @@ downloads); without it the test is skipped, saying so.
 """
 
 import json
-import os
 
 import pytest
-from mlflow.tracking import MlflowClient
 
 from flows import axolotl, llm_foundry, unsloth
 from tests.conftest import REPO_ROOT
+from trainflow import tracking
 from trainflow.configs.frameworks import FRAMEWORKS
 from trainflow.paths import trainflow_home
 
@@ -47,7 +46,7 @@ def test_framework_trains_on_two_ranks_and_the_model_is_registered(
     # Trained: the held-out loss fell from the base model's.
     assert m["eval_loss"] < m["untrained_loss"]
 
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["framework"] == name

@@ -5,11 +5,10 @@ import stat
 
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
 from transformers import GptOssConfig, LlamaConfig
 
 from flows import sft as pipeline
-from trainflow import memory
+from trainflow import memory, tracking
 from trainflow.configs.sft import SHIPPED_TOKENIZER
 from trainflow.data.tokenizer import load_tokenizer
 from trainflow.memory import (
@@ -250,7 +249,7 @@ def test_gpu_memory_option_is_parsed_and_checked():
 
 
 def test_the_plan_is_recorded_as_run_params_and_a_continued_run_keeps_them():
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     run_id = client.create_run(client.create_experiment("memory")).info.run_id
     plan = _plan(["--preset", "gpt-oss-120b", "--technique", "auto"])
     pipeline.record_memory_plan(run_id, plan)

@@ -1,19 +1,17 @@
 """Rank 0's metrics sink against a real SQLite MLflow store (the test's own, see conftest)."""
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
 
 from trainflow import tracking
 
 
 def _run_id() -> str:
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     return client.create_run(client.create_experiment("sink")).info.run_id
 
 
@@ -23,7 +21,7 @@ def test_everything_logged_before_a_flush_is_stored_in_step_order():
     for step in range(1, 51):
         sink.log(step, {"loss": 1.0 / step, "lr": 0.1})
     sink.flush()
-    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    client = tracking.store_client()
     losses = client.get_metric_history(run_id, "loss")
     assert [m.step for m in sorted(losses, key=lambda m: m.step)] == list(range(1, 51))
     assert {m.step: m.value for m in losses}[4] == pytest.approx(0.25)

@@ -17,7 +17,7 @@ from trainflow import tracking
 
 
 def _client() -> MlflowClient:
-    return MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    return tracking.store_client()
 
 
 def _dead_pid() -> int:

@@ -114,7 +114,7 @@ def register_recommender(
                 ),
             )
     version = str(info.registered_model_version)
-    client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri())
+    client = tracking.store_client()
     for key, value in tags.items():
         client.set_model_version_tag(registered_model_name, version, key, value)
     return version
