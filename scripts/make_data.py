@@ -18,7 +18,7 @@ from trainflow.data.synthetic import (
     write_csv,
     write_jsonl,
 )
-from trainflow.data.tokenizer import train_tokenizer
+from trainflow.data.tokenizer import save_tokenizer, train_tokenizer
 
 NUM_INSTRUCTIONS = 3000
 NUM_INTERACTIONS = 20000
@@ -32,7 +32,7 @@ def generate(out: Path) -> None:
     write_jsonl(instructions, out / "instructions.jsonl")
     write_csv(interaction_rows(NUM_INTERACTIONS, seed=0), out / "interactions.csv")
     tokenizer = train_tokenizer(tokenizer_corpus(instructions), VOCAB_SIZE)
-    tokenizer.save_pretrained(out / "tokenizer")
+    save_tokenizer(tokenizer, out / "tokenizer")
 
 
 def _differences(a: Path, b: Path) -> list[str]:

@@ -72,12 +72,17 @@ def exact_matches(
         pad_token_id=pad_id,
         eos_token_id=tokenizer.eos_token_id,
     )[:, ids.shape[1] :]
-    decode = tokenizer.decode
     return [
-        decode(out.tolist(), skip_special_tokens=True).strip()
-        == decode(ref, skip_special_tokens=True).strip()
+        _text(tokenizer, out.tolist()).strip() == _text(tokenizer, ref).strip()
         for out, ref in zip(generated, answers, strict=True)
     ]
+
+
+def _text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """One sequence's text (transformers 5 types `decode` as text or a list of texts)."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert isinstance(text, str)
+    return text
 
 
 def evaluate_causal_lm(
@@ -157,4 +162,6 @@ def trained_vs_untrained(
     assert model is not None
     metrics["eval_loss_ratio"] = metrics["eval_loss"] / metrics["untrained_loss"]
     prompt, _ = split_prompt_answer(held_out["input_ids"][0], held_out["assistant_masks"][0])
-    return metrics, model, tokenizer.decode(prompt)
+    text = tokenizer.decode(prompt)
+    assert isinstance(text, str)
+    return metrics, model, text

@@ -51,10 +51,6 @@ BEHAVIOUR = {
     "test_notebook_cells.py::test_sft_trainer_cell_trains_over_both_ranks",
     "accelerate: PartialState.__init__": "tests/distributed/test_notebook_cells.py::"
     "test_a_framework_left_single_process_fails_naming_it",
-    "transformers: Trainer.save_model(_internal_call)": "tests/distributed/test_rank_data.py::"
-    "test_the_trainer_resumes_at_the_next_unseen_sample",
-    "transformers: Trainer._load_optimizer_and_scheduler": "tests/distributed/"
-    "test_rank_data.py::test_the_trainer_resumes_at_the_next_unseen_sample",
     "lightning: Trainer.__init__": "tests/distributed/test_notebook_cells.py::"
     "test_lightning_cell_with_devices_auto_trains_over_both_ranks",
     "lightning: Trainer._signal_connector (_SignalConnector)": "tests/flows/test_resume.py::"
@@ -89,7 +85,6 @@ PRIVATE_NAMES = (
     "ray._private",
     "atexit._",
     "PREFECT__SERVER",
-    "_load_optimizer_and_scheduler",
     "create_accelerator_and_postprocess",
 )
 

@@ -1,21 +1,25 @@
 """Patches into Hugging Face transformers and accelerate: the Trainer on CPU ranks (as CPU,
-FSDP as FSDP2), the check that accelerate took the launched world, and the Trainer's
-checkpoint methods a rank's trainer overrides (`checkpoint_fixes`).
+FSDP as FSDP2) and the check that accelerate took the launched world.
 
-Written and tested for transformers 4.51 (LLM Foundry's environment) to 4.57 (trainflow's) and
-5.16 (Axolotl's), accelerate 1.8 to 1.16.
+Written and tested for transformers 4.51 (LLM Foundry's environment), 4.57 (Unsloth's), 5.16
+(Axolotl's) and 5.22 (trainflow's), accelerate 1.8 to 1.16.
+
+Two patches of the Trainer's checkpoint methods are gone since transformers 5.18, which
+trainflow's environment requires: the optimizer state saved on several CPU ranks loads (it was
+mapped to `cpu:<rank>`), and under FSDP2 `save_model` no longer has rank 0 alone read sharded
+parameters (a hang). The FSDP and DDP resume tests (tests/distributed/test_rank_data.py) hold
+both.
 """
 
 import os
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from trainflow.compat.adaptations import launched_world, note, single_process
 from trainflow.compat.patching import check, declare, replace
 
-TRANSFORMERS = ">=4.51,<5.17"
+TRANSFORMERS = ">=4.51,<5.23"
 ACCELERATE = ">=1.8,<1.17"
 
 TRAINING_ARGUMENTS = declare(
@@ -52,25 +56,6 @@ PARTIAL_STATE = declare(
     params=("self",),
     why="a Trainer that set itself up single-process inside a multi-rank launch fails, naming "
     "it, instead of training one copy per rank",
-)
-SAVE_MODEL = declare(
-    "transformers: Trainer.save_model(_internal_call)",
-    "transformers",
-    TRANSFORMERS,
-    target="transformers.trainer:Trainer.save_model",
-    params=("output_dir", "_internal_call"),
-    outside="refuse",
-    why="under FSDP2, rank 0 alone reading sharded parameters for a checkpoint's weights copy "
-    "waits on collectives the other ranks never join (a hang)",
-)
-LOAD_OPTIMIZER = declare(
-    "transformers: Trainer._load_optimizer_and_scheduler",
-    "transformers",
-    TRANSFORMERS,
-    target="transformers.trainer:Trainer._load_optimizer_and_scheduler",
-    params=("checkpoint",),
-    why="several CPU ranks: the Trainer maps the saved optimizer to `cpu:<rank>`, which "
-    "torch.load cannot restore to",
 )
 
 
@@ -154,45 +139,3 @@ def check_accelerate(module: types.ModuleType) -> None:
         return __init__
 
     replace(PARTIAL_STATE, state, "__init__", make)
-
-
-def checkpoint_fixes(trainer_class: type) -> type:
-    """`trainer_class` with the two checkpoint methods a rank's Trainer needs changed.
-
-    - `save_model` skips the plain weights copy in a checkpoint when FSDP shards the model:
-      with FSDP2 the Trainer's `save_model` has rank 0 alone read parameters that are still
-      sharded, which waits on collectives the other ranks never join. Every rank writes the
-      checkpoint's FSDP model and optimizer state right after (`save_fsdp_model`); that is
-      what a resume loads.
-    - `_load_optimizer_and_scheduler` loads the optimizer state onto the CPU for CPU ranks:
-      with several CPU ranks the Trainer maps the saved state to `cpu:<rank>`, a location
-      `torch.load` cannot restore to.
-    """
-    check(SAVE_MODEL)
-    check(LOAD_OPTIMIZER)
-
-    class CheckpointFixes(trainer_class):  # type: ignore[misc, valid-type]
-        def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-            if _internal_call and self.is_fsdp_enabled:
-                return
-            super().save_model(output_dir, _internal_call)
-
-        def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-            plain_cpu = not (self.is_fsdp_enabled or self.is_deepspeed_enabled)
-            if checkpoint is None or self.args.device.type != "cpu" or not plain_cpu:
-                super()._load_optimizer_and_scheduler(checkpoint)
-                return
-            import torch
-            from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
-
-            folder = Path(checkpoint)
-            if (folder / OPTIMIZER_NAME).is_file() and (folder / SCHEDULER_NAME).is_file():
-                optimizer = torch.load(
-                    folder / OPTIMIZER_NAME, map_location="cpu", weights_only=True
-                )
-                self.optimizer.load_state_dict(optimizer)
-                scheduler = torch.load(folder / SCHEDULER_NAME, weights_only=True)
-                self.lr_scheduler.load_state_dict(scheduler)
-
-    CheckpointFixes.__name__ = CheckpointFixes.__qualname__ = trainer_class.__name__
-    return CheckpointFixes

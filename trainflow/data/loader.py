@@ -19,7 +19,6 @@ import queue
 import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -74,27 +73,25 @@ class PadCollate:
 
 
 class _CheckedStreamingDataset(StreamingDataset):
-    """`StreamingDataset` that fails an epoch whose shard download or check failed.
+    """`StreamingDataset` whose failed shard download or hash check fails the epoch as a
+    `DataError` naming the split and the shard.
 
-    `streaming` runs downloads and hash checks in background threads; when one fails it ends
-    the epoch early and only logs the error, so a corrupted shard would silently shorten the
-    epoch. Here the error is kept and raised where the samples are consumed.
+    `streaming` downloads and checks shards in background threads and raises a failed
+    thread's error from `__iter__` as a `RuntimeError` that chains it. (`mosaicml-streaming`
+    0.13 instead ended the epoch early and only logged it: docs/data.md.)
     """
 
-    def on_exception(self, future: Future) -> None:
-        """Keep the background thread's error before streaming stops the epoch."""
-        if future.exception() is not None and getattr(self, "_background_error", None) is None:
-            self._background_error = future.exception()
-        super().on_exception(future)
-
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        yield from super().__iter__()
-        error = getattr(self, "_background_error", None)
-        if error is not None:
+        try:
+            yield from super().__iter__()
+        except RuntimeError as error:
+            if error.__cause__ is None:
+                raise
             stream = self.streams[0]
             raise DataError(
-                f"reading split {stream.split!r} of {stream.remote} stopped early: {error}"
-            ) from error
+                f"reading split {stream.split!r} of {stream.remote} stopped early: "
+                f"{error.__cause__}"
+            ) from error.__cause__
 
 
 class _ReadAhead:

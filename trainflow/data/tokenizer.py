@@ -9,6 +9,7 @@ messages).
 import copy
 import functools
 import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -147,3 +148,45 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> "PreTrainedTokeniz
         chat_template=CHAT_TEMPLATE,
         model_max_length=512,
     )
+
+
+def save_tokenizer(tokenizer: "PreTrainedTokenizerFast", folder: Path) -> None:
+    """Save a tokenizer `train_tokenizer` made, readable by transformers 4 and 5 alike.
+
+    transformers 5 writes `tokenizer_config.json` as `TokenizersBackend` with
+    `extra_special_tokens`, which transformers 4 (the framework environments: LLM Foundry,
+    Unsloth) cannot load, and no `special_tokens_map.json`. The files written here are
+    transformers 4's, which 5 reads too, so the shipped tokenizer and every environment's view
+    of it stay the same.
+    """
+    tokenizer.save_pretrained(folder)
+    specials = [PAD, BOS, EOS, *ROLE_TOKENS.values()]
+    config = {
+        "added_tokens_decoder": {
+            str(tokenizer.convert_tokens_to_ids(token)): {
+                "content": token,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for token in specials
+        },
+        "additional_special_tokens": list(ROLE_TOKENS.values()),
+        "bos_token": BOS,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": EOS,
+        "extra_special_tokens": {},
+        "model_max_length": tokenizer.model_max_length,
+        "pad_token": PAD,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    special = {
+        "additional_special_tokens": list(ROLE_TOKENS.values()),
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+    }
+    (Path(folder) / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")

@@ -20,7 +20,6 @@ import datasets
 from transformers import PreTrainedModel, TrainerCallback
 
 from trainflow import runtime
-from trainflow.compat.transformers import checkpoint_fixes
 from trainflow.configs.sft import (
     PRESETS_DIR,
     SHIPPED_TOKENIZER,
@@ -233,7 +232,7 @@ def _on_rank(trainer_class: type, loader: Any, meter: EfficiencyMeter) -> type:
     dataset a second time across the ranks.
     """
 
-    class RankTrainer(checkpoint_fixes(trainer_class)):  # type: ignore[misc]
+    class RankTrainer(trainer_class):  # type: ignore[misc, valid-type]
         def get_train_dataloader(self) -> Any:
             return loader
 
