@@ -201,11 +201,12 @@ def distributed(
             `LaunchTimeoutError` names the ranks still running. Left out: `DEFAULT_TIMEOUT_S`
             (3 h, said in one line on stderr at each call) in this spelling, none in the
             earlier one; remote calls alike, timed where the ranks run. None: no limit.
-        gpus: The earlier name of `num_accelerators` (required a count; no warning).
-        gpu_type: The earlier way to name the GPUs (no warning): None uses what the machine
-            has (GPUs, else CPU ranks with gloo); "cpu" forces CPU ranks; a GPU name ("H100",
-            "A10") must match the GPUs present, unless TRAINFLOW_CPU_FALLBACK=1, which runs CPU
-            ranks with a warning (as it does for an accelerator type's GPU).
+        gpus: The earlier name of `num_accelerators`. The earlier names raise no warning;
+            a call that uses one is in the earlier spelling (no default timeout).
+        gpu_type: The earlier way to name the GPUs: None uses what the machine has (GPUs,
+            else CPU ranks with gloo); "cpu" forces CPU ranks; a GPU name ("H100", "A10") must
+            match the GPUs present, unless TRAINFLOW_CPU_FALLBACK=1, which runs CPU ranks
+            with a warning (as it does for an accelerator type's GPU).
         nnodes: Number of nodes, or an elastic range "min:max"; None: one, or what
             `accelerator_type` implies (given with it, it must agree). With more than one and a
             Ray cluster (`ray_address`, or RAY_ADDRESS), the call places every node on the
