@@ -43,8 +43,11 @@ def test_command_line_refuses_a_missing_gpu_type_at_once(tmp_path):
     assert proc.returncode == 2
     assert "python -m flows.mlp: error: gpu_type='A100' requested" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert elapsed < 15, elapsed  # no Prefect server, no MLflow store, no ranks
-    assert list(tmp_path.iterdir()) == []  # not even a SQLite store was created
+    # Refused before a Prefect server, an MLflow store or a rank started: nothing was written
+    # (not even a SQLite store). The bound only catches a start-up that waited on something;
+    # the time itself is the CLI's start (benchmarks/cli_startup.py), slower on a busy machine.
+    assert list(tmp_path.iterdir()) == []
+    assert elapsed < 45, elapsed
 
 
 def test_flow_refuses_before_the_mlflow_run_exists(prefect_api):

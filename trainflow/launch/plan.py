@@ -3,6 +3,9 @@
 `resolve_resources` turns a request (GPU count, GPU type, nodes) into a `LaunchPlan` before
 anything starts. It is a pure function of the request and a `GpuInventory`, so the GPU branches
 are testable on a machine without GPUs by passing an inventory in. It imports no torch.
+
+`place` comes first: it maps a request by accelerator type (`ACCELERATOR_TYPES`: "GPU_8xH100"
+is nodes of 8 H100s) or by GPU name, with or without a count, to those three.
 """
 
 import logging
@@ -11,7 +14,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple, TypeGuard
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +22,8 @@ CPU_FALLBACK_ENV = "TRAINFLOW_CPU_FALLBACK"
 
 
 class ResourceError(ValueError):
-    """The requested GPUs do not exist on this machine (raised before any process starts)."""
+    """A request for ranks that cannot be met: a bad count or accelerator type, or GPUs this
+    machine does not have (raised before any process starts, naming the field)."""
 
 
 @dataclass(frozen=True)
@@ -279,3 +283,143 @@ def resolve_resources(
             + f", but this machine has {inventory.describe()}"
         )
     return LaunchPlan("cuda", per_node, nnodes, gpu_name=matching[0], min_nodes=min_nodes)
+
+
+@dataclass(frozen=True)
+class AcceleratorType:
+    """A kind of node a launch may ask for by name: its GPU and how many each node has."""
+
+    name: str
+    gpu_type: str
+    per_node: int
+
+
+ACCELERATOR_TYPES = {
+    kind.name: kind
+    for kind in (
+        AcceleratorType("GPU_1xA10", "A10", 1),
+        AcceleratorType("GPU_1xH100", "H100", 1),
+        AcceleratorType("GPU_8xH100", "H100", 8),
+        AcceleratorType("GPU_8xB300", "B300", 8),
+    )
+}
+
+# Ranks a request that gives no count runs on a machine without GPUs (CPU ranks, with gloo).
+DEFAULT_CPU_RANKS = 1
+
+
+def is_accelerator_name(value: object) -> TypeGuard[str]:
+    """Whether `value` is spelled as an accelerator type ("GPU_8xH100"), known or not, rather
+    than as a GPU name ("H100") or "cpu"."""
+    return isinstance(value, str) and re.fullmatch(r"GPU_\d+x\w+", value.strip(), re.I) is not None
+
+
+def accelerator_type(name: str) -> AcceleratorType:
+    """The accelerator type called `name`.
+
+    Raises:
+        ResourceError: an unknown name, naming `accelerator_type` and listing the known ones.
+    """
+    kind = ACCELERATOR_TYPES.get(name)
+    if kind is None:
+        raise ResourceError(
+            f"accelerator_type={name!r} is not an accelerator type; valid types: "
+            f"{', '.join(ACCELERATOR_TYPES)} (or a GPU name such as 'H100', or 'cpu', as "
+            "gpu_type)"
+        )
+    return kind
+
+
+def check_count(name: str, count: object) -> int:
+    """`count` as a rank count, or a `ResourceError` naming the field it was given as."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ResourceError(f"{name} must be a positive integer, got {count!r}")
+    return count
+
+
+def accelerator_nodes(count: int, kind: AcceleratorType, name: str = "num_accelerators") -> int:
+    """How many nodes of `kind` run `count` ranks: one node for up to a node's GPUs, else whole
+    nodes.
+
+    Raises:
+        ResourceError: a count the shape cannot hold (more than a node, not a multiple of it).
+    """
+    if count <= kind.per_node:
+        return 1
+    if count % kind.per_node:
+        raise ResourceError(
+            f"{name}={count} does not fit accelerator_type={kind.name!r} ({kind.per_node} "
+            f"{kind.gpu_type} per node): ask for at most {kind.per_node} (part of one node) or "
+            f"a multiple of {kind.per_node} (whole nodes)"
+        )
+    return count // kind.per_node
+
+
+def default_count(
+    kind: AcceleratorType | None, remote: bool, inventory: GpuInventory | None = None
+) -> int:
+    """The rank count of a request that gives none: every GPU attached to this machine (at
+    most one node of `kind`), `DEFAULT_CPU_RANKS` without GPUs; a remote call, one node of
+    `kind` (this machine's GPUs say nothing of the remote one's).
+
+    Raises:
+        ResourceError: a remote call with neither a count nor an accelerator type.
+    """
+    if remote:
+        if kind is None:
+            raise ResourceError(
+                "remote=True with num_accelerators=None needs an accelerator_type (a node of "
+                f"it is the default: one of {', '.join(ACCELERATOR_TYPES)}) or a count"
+            )
+        return kind.per_node
+    attached = (inventory if inventory is not None else GpuInventory.detect()).count
+    if attached == 0:
+        return DEFAULT_CPU_RANKS
+    return min(attached, kind.per_node) if kind else attached
+
+
+class Placement(NamedTuple):
+    """A request in the launch options' terms: total ranks, GPU type, nodes."""
+
+    gpus: int
+    gpu_type: str | None
+    nnodes: int | str
+
+
+def place(
+    count: int | None,
+    kind_or_gpu: str | None,
+    nnodes: int | str | None = None,
+    remote: bool = False,
+    count_name: str = "num_accelerators",
+    inventory: GpuInventory | None = None,
+) -> Placement:
+    """Map a request to ranks, GPU type and nodes.
+
+    Args:
+        count: Total ranks; None: `default_count`.
+        kind_or_gpu: An accelerator type ("GPU_8xH100": its GPU, and nodes of its size), or
+            what `resolve_resources` takes as `gpu_type` (None, "cpu", a GPU name).
+        nnodes: Nodes, or an elastic range; None: one, or what the accelerator type implies
+            (given as well, it must agree).
+        remote: Whether the ranks run on a remote deployment (the default count differs).
+        count_name: The field `count` was given as, for messages.
+        inventory: GPUs on this node; detected when needed and not given.
+
+    Raises:
+        ResourceError: an unknown accelerator type, a bad count or one the type cannot hold,
+            or `nnodes` that disagrees with the type; each names the fields.
+    """
+    kind = accelerator_type(kind_or_gpu.strip()) if is_accelerator_name(kind_or_gpu) else None
+    if count is None:
+        count = default_count(kind, remote, inventory)
+    count = check_count(count_name, count)
+    if kind is None:
+        return Placement(count, kind_or_gpu, 1 if nnodes is None else nnodes)
+    nodes = accelerator_nodes(count, kind, count_name)
+    if nnodes is not None and node_range(nnodes) != (nodes, nodes):
+        raise ResourceError(
+            f"nnodes={nnodes!r} disagrees with accelerator_type={kind.name!r}: {count_name}="
+            f"{count} runs on {nodes} node(s) of {kind.per_node}; leave nnodes out"
+        )
+    return Placement(count, kind.gpu_type, nodes)
