@@ -37,6 +37,11 @@ fi
 if [[ ! -x .venv/bin/python ]]; then
     python3 -m venv .venv
 fi
+# A .venv from before the move to streaming-community has mosaicml-streaming, which installs
+# the same `streaming` package: remove both, and the install below puts the fork back whole.
+if .venv/bin/pip show --quiet mosaicml-streaming 2>/dev/null; then
+    .venv/bin/pip uninstall --quiet --yes mosaicml-streaming streaming-community
+fi
 # DeepSpeed compiles no ops at install; the CPU paths use torch's own Adam.
 DS_BUILD_OPS=0 .venv/bin/pip install --quiet --progress-bar off -c constraints.txt -e ".[dev,ray,k8s]"
 # A temporary Prefect server on a new home starts on a copy of this migrated empty database

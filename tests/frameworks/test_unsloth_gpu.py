@@ -45,13 +45,17 @@ def assert_trained(results: list[dict], log: str, tmp_path: Path) -> None:
     folder = Path(results[0]["output_dir"])
     assert folder == tmp_path / "out" / "merged_16bit"
 
-    # The merged 16-bit folder loads in our main environment (transformers 4.57.6).
+    # The merged 16-bit folder loads in our main environment (transformers 5.22).
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda").eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    # transformers 5 returns the encoding (ids and mask) unless asked for the ids alone.
     ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "add 4 2"}], add_generation_prompt=True, return_tensors="pt"
+        [{"role": "user", "content": "add 4 2"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=False,
     ).to("cuda")
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()

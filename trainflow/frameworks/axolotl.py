@@ -173,7 +173,10 @@ def _write_resolved(cfg: dict[str, Any], output_dir: Path, rank: int) -> Path:
 
 
 def _tokenizer_config_for_older_transformers(output_dir: Path) -> bool:
-    """Let transformers 4.x (the main environment) load the tokenizer saved in output_dir.
+    """Let transformers 4.x load the tokenizer saved in output_dir, as 5.x does.
+
+    The main environment reads either form; a registered model is also loaded by consumers
+    still on transformers 4 (and by the LLM Foundry and Unsloth environments).
 
     transformers 5 writes ``"tokenizer_class": "TokenizersBackend"``, a name 4.x does not
     know ("Tokenizer class TokenizersBackend does not exist"); ``PreTrainedTokenizerFast``
