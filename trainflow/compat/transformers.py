@@ -82,9 +82,10 @@ def adapt_training_arguments(module: types.ModuleType) -> None:
 def shard_with_fsdp2_on_cpu(trainer: Any) -> None:
     """Have a Hugging Face Trainer asked for FSDP shard with FSDP2 on CPU ranks.
 
-    accelerate 1.15 turns FSDP on only for accelerator devices and otherwise wraps the model in
-    DDP without a word; `fully_shard` itself works on a CPU mesh over gloo. The plugin is
-    rebuilt from the `FSDP_*` environment the Trainer's arguments filled.
+    accelerate 1.15 and 1.16 turn FSDP on only for accelerator devices and otherwise wrap the
+    model in DDP without a word; `fully_shard` itself works on a CPU mesh over gloo. The plugin
+    is rebuilt from the Trainer's own settings (`TrainingArguments.fsdp_plugin_args` in
+    transformers 5, the `FSDP_*` environment in 4).
     """
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -92,10 +93,17 @@ def shard_with_fsdp2_on_cpu(trainer: Any) -> None:
     check(ACCELERATOR_STATE)
 
     state = AcceleratorState()
-    plugin = FullyShardedDataParallelPlugin()
-    plugin.activation_checkpointing = trainer.args.fsdp_config.get(
-        "activation_checkpointing", False
-    )
+    settings = getattr(trainer.args, "fsdp_plugin_args", None)
+    if settings:
+        # transformers 5: the plugin settings the Trainer would give accelerate (wrap policy,
+        # layer classes, activation checkpointing, state dict type, resharding).
+        plugin = FullyShardedDataParallelPlugin(**{**settings, "fsdp_version": 2})
+    else:
+        # transformers 4 filled the `FSDP_*` environment the plugin reads.
+        plugin = FullyShardedDataParallelPlugin()
+        plugin.activation_checkpointing = trainer.args.fsdp_config.get(
+            "activation_checkpointing", False
+        )
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
     trainer.is_fsdp_enabled = True

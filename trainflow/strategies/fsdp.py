@@ -106,8 +106,9 @@ class FSDPStrategy(TorchStrategy):
         layer_classes: list[str],
         device_type: str,
     ) -> dict[str, Any]:
-        # transformers passes FSDP options to accelerate through the environment; accelerate
-        # reads the FSDP version (2 = fully_shard) and resharding from it too.
+        # transformers 5 hands accelerate the FSDP plugin's settings from `fsdp_config`;
+        # transformers 4 passed them through the environment, set too for the frameworks'
+        # environments still on it. FSDP version 2 is fully_shard.
         os.environ["FSDP_VERSION"] = "2"
         os.environ["FSDP_RESHARD_AFTER_FORWARD"] = str(self.config.reshard_after_forward).lower()
         # Checkpoints are sharded (DCP, every rank writes and reads its own part): accelerate's
@@ -117,8 +118,11 @@ class FSDPStrategy(TorchStrategy):
         return {
             "fsdp": "full_shard auto_wrap" + (" offload" if self.config.cpu_offload else ""),
             "fsdp_config": {
+                "version": 2,
                 "transformer_layer_cls_to_wrap": layer_classes,
                 "activation_checkpointing": self.config.activation_checkpointing,
+                "reshard_after_forward": self.config.reshard_after_forward,
+                "state_dict_type": "SHARDED_STATE_DICT",
             },
             "bf16": self.config.mixed_precision == "bf16",
         }
