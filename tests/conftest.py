@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -31,6 +32,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def call_on_nodes(call, nodes: int = 2) -> list:
+    """`call()` from `nodes` threads at once, each standing in for one node's `.distributed()`
+    on the same rendezvous; returns each node's return value. The first error is raised."""
+    results: list = []
+    errors: list = []
+
+    def node() -> None:
+        try:
+            results.append(call())
+        except BaseException as exc:  # raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node) for _ in range(nodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def wait_until_serving(url: str, proc: subprocess.Popen, timeout_s: float, what: str) -> None:

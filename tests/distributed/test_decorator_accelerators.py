@@ -8,7 +8,6 @@ run id), as in test_launcher.
 
 import os
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import free_port
+from tests.conftest import call_on_nodes, free_port
 from trainflow import LaunchTimeoutError, distributed, runtime
 from trainflow.launch import decorator
 from trainflow.launch.plan import GpuInventory
@@ -67,21 +66,7 @@ def test_gpu_1xa10_with_two_runs_one_rank_on_each_of_two_nodes(monkeypatch):
     monkeypatch.setenv("TRAINFLOW_RUN_ID", "a10-two-nodes")
     fn = distributed(2, "GPU_1xA10", timeout=180, init_process_group=True)(where_am_i)
     assert (fn.options.gpus, fn.options.nnodes) == (2, 2)
-    per_node: list = []
-    errors: list = []
-
-    def node() -> None:
-        try:
-            per_node.append(fn.distributed())
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=node) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    per_node = call_on_nodes(fn.distributed)
     assert sorted(len(values) for values in per_node) == [1, 1]
     ranks = sorted((v for values in per_node for v in values), key=lambda r: r["rank"])
     assert [(r["rank"], r["node"]) for r in ranks] == [(0, 0), (1, 1)]

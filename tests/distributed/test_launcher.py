@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import free_port
+from tests.conftest import call_on_nodes, free_port
 from trainflow import (
     LaunchError,
     LaunchTimeoutError,
@@ -300,21 +300,7 @@ def test_two_nodes_rendezvous_through_torch_elastic(monkeypatch):
     """Two agents on one machine stand in for two nodes: same endpoint, same run id."""
     monkeypatch.setenv("TRAINFLOW_RDZV_ENDPOINT", f"127.0.0.1:{free_port()}")
     monkeypatch.setenv("TRAINFLOW_RUN_ID", "two-node-test")
-    results: list = []
-    errors: list = []
-
-    def node() -> None:
-        try:
-            results.append(two_node_sum.distributed())
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=node) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    results = call_on_nodes(two_node_sum.distributed)
     ranks = sorted(r for node_results in results for r in node_results)
     assert [r[0] for r in ranks] == [0, 1, 2, 3]
     assert sorted({r[1] for r in ranks}) == [0, 1]
