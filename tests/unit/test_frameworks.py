@@ -177,8 +177,11 @@ def test_hf_trainer_args_for_fsdp_on_gpu(two_ranks):
         "ddp_backend": "nccl",
         "fsdp": "full_shard auto_wrap offload",
         "fsdp_config": {
+            "version": 2,
             "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
             "activation_checkpointing": False,
+            "reshard_after_forward": False,
+            "state_dict_type": "SHARDED_STATE_DICT",
         },
         "bf16": True,
     }

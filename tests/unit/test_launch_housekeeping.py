@@ -81,3 +81,26 @@ def test_progress_bars_arrive_as_their_newest_redraw_then_their_final_state(tmp_
     write("100%|##########| 10/10\n")
     assert lines[-1] == (0, "100%|##########| 10/10")  # the bar's final state, whole
     assert all("\r" not in line for _, line in lines)
+
+
+def test_stopping_a_failed_attempt_spares_the_ranks_of_the_next_one(tmp_path):
+    """With restarts, the agent may start attempt 1 between a failure's detection and the kill."""
+    from trainflow.launch.processes import kill_ranks, live_ranks
+
+    rd = RunDir(tmp_path)
+    rd.ranks.mkdir(parents=True)
+    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    new = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        rd.write_rank_process(0, new.pid, attempt=1)  # rank 0 already restarted
+        rd.write_rank_process(1, old.pid, attempt=0)  # rank 1 not yet
+        pgid = os.getpgid(0)
+        assert live_ranks(rd, pgid) == {0: new.pid}
+        assert live_ranks(rd, pgid, attempt=0) == {1: old.pid}
+        kill_ranks(rd, pgid, attempt=0)
+        assert old.wait(timeout=10) == -9
+        assert new.poll() is None
+    finally:
+        for proc in (old, new):
+            proc.kill()
+            proc.wait()

@@ -80,10 +80,11 @@ def stop_process_group(pgid: int, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         kill_process_group(pgid)
 
 
-def live_ranks(rd: RunDir, pgid: int) -> dict[int, int]:
-    """`{rank: pid}` of this node's ranks of the latest attempt whose process still runs."""
+def live_ranks(rd: RunDir, pgid: int, attempt: int | None = None) -> dict[int, int]:
+    """`{rank: pid}` of this node's ranks of `attempt` (default: the latest) still running."""
     procs = rd.rank_processes()
-    attempt = max((p["attempt"] for p in procs.values()), default=0)
+    if attempt is None:
+        attempt = max((p["attempt"] for p in procs.values()), default=0)
     live = {}
     for rank, rec in procs.items():
         if rec["attempt"] != attempt:
@@ -102,14 +103,19 @@ def dead_ranks(rd: RunDir, pgid: int) -> list[int]:
     """Ranks of the latest attempt whose process is gone without a result or an error."""
     procs = rd.rank_processes()
     attempt = max((p["attempt"] for p in procs.values()), default=0)
-    live = live_ranks(rd, pgid)
+    live = live_ranks(rd, pgid, attempt)
     done = {*rd.result_files(), *rd.error_files()}
     return sorted(
         r for r, p in procs.items() if p["attempt"] == attempt and r not in live and r not in done
     )
 
 
-def kill_ranks(rd: RunDir, pgid: int) -> None:
-    for pid in live_ranks(rd, pgid).values():
+def kill_ranks(rd: RunDir, pgid: int, attempt: int | None = None) -> None:
+    """SIGKILL this node's live ranks of `attempt` (default: the latest).
+
+    Naming the attempt matters with restarts: the elastic agent may start the next attempt
+    between the moment a failure is seen and the kill, and those new ranks must live.
+    """
+    for pid in live_ranks(rd, pgid, attempt).values():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -235,5 +235,5 @@ class Supervisor:
                 return stopped  # the others are finishing the same final checkpoint
         elif not dead_ranks(rd, self.pgid):
             return stopped
-        kill_ranks(rd, self.pgid)
+        kill_ranks(rd, self.pgid, attempt)
         return attempt
