@@ -8,10 +8,16 @@
 
 A failed, timed-out or cancelled step leaves the MLflow run FAILED or KILLED and registers
 nothing (`trainflow.tracking.pipeline_run`).
+
+The seams are typed: a config is a `SkeletonConfig` (what the skeleton reads of it), a workload
+a `PipelineWorkload` whose module has the `WorkloadHooks`, and the training a `Launch`: the
+technique's subflow (`launch_technique`) by default, a framework's own launch for the framework
+pipelines (`flows/frameworks.py`), with the same rank slots, progress, stop file and loss curve.
 """
 
 import contextlib
 import contextvars
+import dataclasses
 import json
 import re
 import threading
@@ -19,7 +25,8 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from types import ModuleType
+from typing import Any, Protocol, Self, TypeVar, runtime_checkable
 
 from prefect import task
 from prefect.artifacts import (
@@ -35,14 +42,95 @@ from flows.techniques import techniques
 from tasks.reporting import figure_markdown, publish_summary
 from trainflow import checkpoint, tracking
 from trainflow.cli import start_launch_agent
-from trainflow.gate import gate_failures
-from trainflow.launch.plan import check_cpu_oversubscription
+from trainflow.gate import Threshold, gate_failures
+from trainflow.launch.plan import LaunchPlan, check_cpu_oversubscription
 from trainflow.paths import RUN_CONFIG_FILE, STOP_FILE, read_run_config, run_output_dir
-from trainflow.strategies.config import check_framework
+from trainflow.resources import Resources
 from trainflow.strategies.job import TrainResult, Workload
+from trainflow.strategies.technique import Technique, check_framework
 from trainflow.workloads import Evaluation, WorkloadSpec, checked_ahead
 
 R = TypeVar("R", bound="PipelineResult")
+
+
+class Named(Protocol):
+    """What trained the model, as the skeleton names it: a technique, or a framework."""
+
+    @property
+    def name(self) -> str: ...
+
+
+class SkeletonConfig(Protocol):
+    """What the skeleton reads of a pipeline's config (`PipelineConfig` subclasses have it all;
+    so does `FrameworkConfig`)."""
+
+    @property
+    def technique(self) -> Named: ...
+    @property
+    def experiment_name(self) -> str: ...
+    @property
+    def registered_model_name(self) -> str: ...
+    @property
+    def resume(self) -> str | None: ...
+    @property
+    def parent_run_id(self) -> str | None: ...
+    @property
+    def gpu_pool(self) -> str | None: ...
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def resources(self) -> Resources: ...
+    def gate(self) -> list[Threshold]: ...
+    def training_fields(self) -> dict[str, Any]: ...
+    def model_dump(self, *, mode: str = ..., exclude: Any = ...) -> dict[str, Any]: ...
+    def model_dump_json(self) -> str: ...
+    def launch_plan(self) -> LaunchPlan: ...
+    @classmethod
+    def model_validate(cls, obj: Any) -> Self: ...
+
+
+@runtime_checkable
+class WorkloadHooks(Protocol):
+    """What the skeleton calls in a workload's module after training (`hooks`)."""
+
+    def evaluate(self, job: Any, trained: TrainResult) -> Evaluation: ...
+    def log_model(
+        self, job: Any, evaluation: Evaluation, run_id: str, name: str, tags: dict[str, str]
+    ) -> str: ...
+
+
+@runtime_checkable
+class ChecksConfig(Protocol):
+    """A workload module that checks names its ranks would fail on (`preflight`)."""
+
+    def check_config(self, config: Any) -> None: ...
+
+
+class PipelineWorkload(Protocol):
+    """What the skeleton reads of a workload (`WorkloadSpec`, or a framework's `Framework`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def title(self) -> str: ...
+    @property
+    def alias(self) -> str | None: ...
+    @property
+    def module(self) -> str: ...  # what the launch's agent imports ahead of the ranks
+    def load(self) -> ModuleType: ...  # the module with its `WorkloadHooks`
+
+
+def hooks(workload: PipelineWorkload) -> WorkloadHooks:
+    """The workload's module, checked to have the hooks the skeleton calls.
+
+    Raises:
+        TypeError: naming the module and the hooks it lacks.
+    """
+    module = workload.load()
+    if not isinstance(module, WorkloadHooks):
+        missing = [n for n in ("evaluate", "log_model") if not callable(getattr(module, n, None))]
+        raise TypeError(f"workload module {module.__name__} lacks {', '.join(missing)}")
+    return module
 
 
 class PipelineResult(BaseModel):
@@ -95,7 +183,7 @@ class Beside:
 class TrackedRun:
     """One pipeline run: its workload, what its ranks get, MLflow run, lineage, output folder."""
 
-    workload: WorkloadSpec
+    workload: PipelineWorkload
     job: Any
     run_id: str
     output_dir: Path
@@ -103,10 +191,22 @@ class TrackedRun:
     # Tasks submitted to run beside the next steps (the loss plot beside the evaluation); the
     # run waits for them before it ends.
     pending: Beside = field(default_factory=Beside)
+    resumed: bool = False  # continues an earlier MLflow run (`--resume`, a flow run's retry)
 
     @property
     def name(self) -> str:
         return self.workload.name
+
+    @property
+    def stop_file(self) -> Path:
+        """Creating this file stops the training as a preemption would, with no retry (a
+        sweep's pruner does; so can a person)."""
+        return self.output_dir / STOP_FILE
+
+    def with_job(self, job: Any) -> "TrackedRun":
+        """The same run, its ranks and evaluation given `job`: for inputs staged in the run's
+        folder once it exists (a framework's base model). Waits for the same pending tasks."""
+        return dataclasses.replace(self, job=job)
 
     @property
     def artifact_key(self) -> str:
@@ -125,11 +225,12 @@ class Registration:
 
 @contextlib.contextmanager
 def tracked_run(
-    workload: WorkloadSpec,
-    config: Any,
+    workload: PipelineWorkload,
+    config: SkeletonConfig,
     lineage: Mapping[str, str] | None = None,
     job: Any = None,
     checked: bool = False,
+    params: Mapping[str, Any] | None = None,
 ) -> Iterator[TrackedRun]:
     """Open the pipeline's MLflow run (config as params, lineage as tags) and output folder.
 
@@ -139,9 +240,13 @@ def tracked_run(
         lineage: Extra lineage tags (dataset, base model, ...), also put on the model version.
         job: What the ranks and the evaluation receive, when more than the config (the SFT job
             adds its prepared dataset).
-        checked: The flow already ran `preflight` (before preparing its data).
+        checked: The flow already ran `preflight` (before preparing its data), or its own
+            checks (a framework pipeline's).
+        params: Params logged beside the config's (a framework's own settings).
     """
     if not checked:
+        if not isinstance(workload, WorkloadSpec):
+            raise TypeError(f"{workload.name}: a workload of its own is checked by its flow")
         preflight(workload, config)
     technique = config.technique.name
     flow_run_id = str(flow_run.get_id())
@@ -164,7 +269,7 @@ def tracked_run(
         tracking.pipeline_run(
             config.experiment_name,
             run_name=f"{workload.name}-{technique}-{flow_run.get_name() or 'local'}",
-            params=config.model_dump(),
+            params=config.model_dump() | dict(params or {}),
             tags=tags,
             resume_run_id=resume,
         ) as run_id,
@@ -183,7 +288,8 @@ def tracked_run(
             f"MLflow run {run_id} {verb} (experiment {config.experiment_name!r}); if it "
             f"stops, continue it with: python -m flows.{workload.name} --resume {run_id}"
         )
-        run = TrackedRun(workload, config if job is None else job, run_id, output_dir, tags)
+        job = config if job is None else job
+        run = TrackedRun(workload, job, run_id, output_dir, tags, resumed=resume is not None)
         try:
             yield run
         except BaseException:
@@ -193,7 +299,7 @@ def tracked_run(
 
 
 @contextlib.contextmanager
-def _agent_ahead(workload: WorkloadSpec, config: Any) -> Iterator[None]:
+def _agent_ahead(workload: PipelineWorkload, config: SkeletonConfig) -> Iterator[None]:
     """Start the training launch's agent now, importing the workload's modules while the run
     opens; the launch uses it, or it is stopped when the run ends (`start_launch_agent`)."""
     discard = start_launch_agent(config, workload.module)
@@ -203,7 +309,7 @@ def _agent_ahead(workload: WorkloadSpec, config: Any) -> Iterator[None]:
         discard()
 
 
-def check_resumable(workload: WorkloadSpec, config: Any, run_id: str) -> None:
+def check_resumable(workload: PipelineWorkload, config: SkeletonConfig, run_id: str) -> None:
     """Refuse to continue `run_id` with a config that trains something else.
 
     Placement, recovery and checkpoint options may differ (a run moved to another machine);
@@ -220,7 +326,7 @@ def check_resumable(workload: WorkloadSpec, config: Any, run_id: str) -> None:
         )
 
 
-def preflight(workload: WorkloadSpec, config: Any) -> None:
+def preflight(workload: WorkloadSpec, config: SkeletonConfig) -> None:
     """Refuse, before the MLflow run exists, what cannot run here: GPUs this machine lacks, far
     more CPU ranks than cores, a technique the workload's framework cannot use on the resolved
     device, or names the workload's own `check_config` rejects (a scheduler, LoRA targets).
@@ -229,17 +335,57 @@ def preflight(workload: WorkloadSpec, config: Any) -> None:
     """
     plan = config.launch_plan()
     check_cpu_oversubscription(plan)
-    check_framework(config.technique, workload.framework, device_type=plan.device)
+    technique = config.technique
+    if not isinstance(technique, Technique):
+        raise TypeError(f"technique {technique.name!r}: resolve it before the preflight")
+    check_framework(technique, workload.framework, device_type=plan.device)
     if checked_ahead(workload.name, config):
         return  # by the launch agent, with the workload's libraries loaded there
-    check_config = getattr(workload.load(), "check_config", None)
-    if check_config is not None:
-        check_config(config)
+    module = workload.load()
+    if isinstance(module, ChecksConfig):
+        module.check_config(config)
 
 
-def train(run: TrackedRun, config: Any) -> TrainResult:
-    """Train on the config's ranks with its technique's subflow; show progress and the loss."""
+ConfigT = TypeVar("ConfigT", bound=SkeletonConfig, contravariant=True)
+C = TypeVar("C", bound=SkeletonConfig)
+
+
+class Launch(Protocol[ConfigT]):
+    """The training step's launch: the ranks trained on the run's config; rank 0's result.
+
+    It runs while the skeleton holds the config's rank slots and follows the progress file in
+    the run's folder (`tracking.PROGRESS_FILE`, which rank 0 writes); it stops the ranks when
+    the run's `stop_file` appears.
+    """
+
+    def __call__(self, run: TrackedRun, config: ConfigT, /) -> TrainResult: ...
+
+
+def train(run: TrackedRun, config: C, launch: Launch[C] | None = None) -> TrainResult:
+    """Train on the config's ranks with `launch` (default: its technique's subflow,
+    `launch_technique`) holding its rank slots; show progress and the loss."""
+    step: Launch[C] = launch_technique if launch is None else launch
     checkpoints = run.output_dir / "checkpoints"
+    checkpoint.remove_partial(checkpoints)
+    if (latest := checkpoint.latest_checkpoint(checkpoints)) is not None:
+        print(f"continuing training from {latest} (step {checkpoint.read_meta(latest)['step']})")
+    try:
+        with _rank_slots(config.gpu_pool, config.gpus), _progress(run):
+            trained = step(run, config)
+    finally:
+        # A save the stop interrupted is never resumed from; do not leave it behind.
+        checkpoint.remove_partial(checkpoints)
+        _remove_stale_shared_memory()
+    # Plotted while the model is evaluated (matplotlib's import and the drawing take seconds).
+    run.pending.add(publish_loss_curve.submit(run.artifact_key, run.run_id, trained.history))
+    return trained
+
+
+def launch_technique(run: TrackedRun, config: SkeletonConfig) -> TrainResult:
+    """The workload on every rank through its technique's subflow, continuing from the run's
+    latest checkpoint (a torch elastic restart, a Prefect retry, `--resume`)."""
+    if not isinstance(run.workload, WorkloadSpec):
+        raise TypeError(f"{run.name}: a workload of its own trains with its own launch")
     workload = Workload(
         train_fn=run.workload.ref("train"),
         model_fn=run.workload.ref("build_model"),
@@ -248,24 +394,12 @@ def train(run: TrackedRun, config: Any) -> TrainResult:
         framework=run.workload.framework,
         backend=getattr(config, "backend", "auto"),
         mlflow_run_id=run.run_id,
-        # A relaunch (torch elastic restart, Prefect retry, --resume) continues from here.
-        resume_from=str(checkpoints),
+        resume_from=str(run.output_dir / "checkpoints"),
         checked_ahead=checked_ahead(run.workload.name, config),
     )
-    checkpoint.remove_partial(checkpoints)
-    if (latest := checkpoint.latest_checkpoint(checkpoints)) is not None:
-        print(f"continuing training from {latest} (step {checkpoint.read_meta(latest)['step']})")
-    try:
-        with _rank_slots(config.gpu_pool, config.gpus), _progress(run):
-            trained: TrainResult = techniques[config.technique.name](
-                workload=workload, technique=config.technique, resources=config.resources
-            )
-    finally:
-        # A save the stop interrupted is never resumed from; do not leave it behind.
-        checkpoint.remove_partial(checkpoints)
-        _remove_stale_shared_memory()
-    # Plotted while the model is evaluated (matplotlib's import and the drawing take seconds).
-    run.pending.add(publish_loss_curve.submit(run.artifact_key, run.run_id, trained.history))
+    trained: TrainResult = techniques[config.technique.name](
+        workload=workload, technique=config.technique, resources=config.resources
+    )
     return trained
 
 
@@ -318,13 +452,13 @@ def evaluate(run: TrackedRun, trained: TrainResult) -> Evaluation:
             trained.evaluation.metrics, logged_model_uri=trained.evaluation.logged_model_uri
         )
     else:
-        evaluation = run.workload.load().evaluate(run.job, trained)
+        evaluation = hooks(run.workload).evaluate(run.job, trained)
     tracking.log_metrics(run.run_id, evaluation.metrics)
     return evaluation
 
 
 def register(
-    run: TrackedRun, config: Any, evaluation: Evaluation, trained: TrainResult
+    run: TrackedRun, config: SkeletonConfig, evaluation: Evaluation, trained: TrainResult
 ) -> Registration:
     """Check the gate, then log and register the model.
 
@@ -362,7 +496,7 @@ def _register_model(
     if evaluation.logged_model_uri is not None:
         version = tracking.register_logged_model(evaluation.logged_model_uri, name, tags)
     else:
-        version = run.workload.load().log_model(run.job, evaluation, run.run_id, name, tags)
+        version = hooks(run.workload).log_model(run.job, evaluation, run.run_id, name, tags)
     if alias:
         tracking.set_alias(name, version, alias)
     return version
@@ -370,7 +504,7 @@ def _register_model(
 
 def finish(
     run: TrackedRun,
-    config: Any,
+    config: SkeletonConfig,
     trained: TrainResult,
     evaluation: Evaluation,
     registration: Registration,
