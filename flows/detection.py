@@ -9,18 +9,17 @@ SQLite MLflow store `mlflow.db`)::
     python -m flows.detection
     python -m flows.detection --training-num-steps 400 --data-num-classes 4
     python -m flows.detection --preset gpu         # 256 px, 8 classes, ResNet-50, 8 GPUs
+    python -m flows.detection --dry-run     # the plan, nothing started
     python -m flows.detection --help
 
 Deploy: `prefect --no-prompt deploy --name detection/cpu-local` (see prefect.yaml).
 """
 
-import functools
-import sys
-
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows import command
 from flows.skeleton import (
     DatasetResult,
     TrackedRun,
@@ -32,19 +31,14 @@ from flows.skeleton import (
     train,
 )
 from tasks.data import prepare_dataset
+from tasks.plan import plan_run
 from tasks.reporting import figure_markdown
 from trainflow import tracking
-from trainflow.cli import run_pipeline, start_launch_agent
-from trainflow.configs.detection import (
-    DetectionConfig,
-    DetectionJob,
-    ShapesData,
-    detection_preset_names,
-    load_detection_preset,
-)
-from trainflow.workloads import WORKLOADS, Evaluation
+from trainflow.configs.detection import DetectionConfig, DetectionJob, ShapesData
+from trainflow.pipelines import PIPELINES
+from trainflow.workloads import Evaluation
 
-DETECTION = WORKLOADS["detection"]
+DETECTION = PIPELINES["detection"]
 PLOT_FILE = "predictions.png"
 
 
@@ -72,14 +66,18 @@ def publish_predictions(run: TrackedRun, evaluation: Evaluation) -> str:
 
 
 @flow(name="detection", log_prints=True)
-def detection(config: DetectionConfig = load_detection_preset("debug_cpu")) -> DatasetResult:
+def detection(
+    config: DetectionConfig = DETECTION.defaults(), dry_run: bool = False
+) -> DatasetResult | None:
     """Train RetinaNet with DDP on generated shapes, compare held-out mAP with the untrained
     model's, plot its boxes, register it if it passes the gate."""
-    preflight(DETECTION, config)  # before the images are drawn and prepared
+    if dry_run:
+        return plan_run(DETECTION, config)
+    preflight(DETECTION.ranks, config)  # before the images are drawn and prepared
     data = prepare_dataset(config.data_config(generate_shapes(config.data)))
     lineage = {"dataset_uri": data.uri, "dataset_fingerprint": data.fingerprint}
     job = DetectionJob(config=config, data=data)
-    with tracked_run(DETECTION, config, lineage, job=job, checked=True) as run:
+    with tracked_run(DETECTION.ranks, config, lineage, job=job, checked=True) as run:
         trained = train(run, config)
         evaluation = evaluate(run, trained)
         publish_predictions(run, evaluation)
@@ -89,39 +87,9 @@ def detection(config: DetectionConfig = load_detection_preset("debug_cpu")) -> D
     )
 
 
-SUMMARY_METRICS = [
-    f"{when}_{name}" for name in ("map", "map_50") for when in ("untrained", "eval")
-] + ["train_loss"]
-
-PRESETS = {
-    name: functools.partial(load_detection_preset, name) for name in detection_preset_names()
-}
-
-
 def main(argv: list[str] | None = None) -> DatasetResult:
-    from flows.local_server import starting_prefect_server
-
-    return run_pipeline(  # type: ignore[no-any-return]
-        detection,
-        load_detection_preset("debug_cpu"),
-        argv,
-        __doc__,
-        PRESETS,
-        SUMMARY_METRICS,
-        server=starting_prefect_server,
-        deep_check=_check_config,
-    )
-
-
-def _check_config(config: DetectionConfig) -> None:
-    start_launch_agent(config, "trainflow.workloads.detection")  # its imports run beside these
-    from trainflow.workloads.detection import check_config
-
-    check_config(config)
+    return command.main("detection", argv)  # type: ignore[no-any-return]
 
 
 if __name__ == "__main__":
-    from trainflow.cli import exit_now
-
-    main(sys.argv[1:])
-    exit_now()  # the pipeline is done: skip only the interpreter's teardown
+    command.run("detection")

@@ -21,14 +21,14 @@ import concurrent.futures
 import json
 import sys
 import time
-from typing import Any, Literal
+from typing import Annotated, Any
 
 import optuna
 from prefect import flow
 from prefect.futures import PrefectConcurrentFuture, PrefectFuture
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from flows.skeleton import PipelineResult
 from tasks.sweep import ensure_rank_pool, pipeline_flow, publish_trials, run_trial
@@ -42,12 +42,23 @@ from trainflow.paths import (
     read_run_config,
     run_output_dir,
 )
+from trainflow.pipelines import PIPELINES, pipeline
 
 # Tag on a trial's MLflow run the sweep ended itself (a pruned trial).
 TRIAL_STATE_TAG = "trainflow.sweep.trial_state"
 # What a sweep may not change when it is resumed: they define its study.
 _STUDY_FIELDS = ("pipeline", "space", "base", "sampler", "seed", "metric", "mode")
 
+
+def _registered(name: str) -> str:
+    pipeline(name)  # ValueError naming the registered pipelines
+    return name
+
+
+# Any pipeline of `trainflow.pipelines`; the UI lists them.
+Pipeline = Annotated[
+    str, AfterValidator(_registered), Field(json_schema_extra={"enum": list(PIPELINES)})
+]
 
 # How long a stopped sweep waits for its trials to checkpoint and end before it exits.
 STOP_WAIT_S = 120.0
@@ -58,8 +69,8 @@ class SweepConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    pipeline: Literal["mlp", "transformer", "sft"] = Field(
-        "mlp", description="Pipeline every trial runs (its flow in flows/)."
+    pipeline: Pipeline = Field(
+        "mlp", description="Pipeline every trial runs (its flow in flows/; any registered one)."
     )
     space: space_lib.SearchSpace = Field(
         default_factory=dict,
@@ -72,8 +83,16 @@ class SweepConfig(BaseModel):
         "its own defaults for the rest.",
     )
     trials: int = Field(12, ge=1, description="Trials in all (a grid runs at most its size).")
-    metric: str = Field("eval_mse", description="Metric of the pipeline's result to optimise.")
-    mode: space_lib.Mode = Field("min", description="Whether a lower or higher metric is better.")
+    metric: str | None = Field(
+        None,
+        description="Metric of the pipeline's result to optimise; none: the pipeline's own "
+        "(mlp eval_mse, sft eval_loss, two_tower eval_auroc, ...).",
+    )
+    mode: space_lib.Mode | None = Field(
+        None,
+        description="Whether a lower or higher metric is better; none: the pipeline's own "
+        "for its metric.",
+    )
     sampler: space_lib.Sampler = Field(
         "tpe", description="grid: every combination; random; tpe: Optuna's TPE."
     )
@@ -132,15 +151,34 @@ class SweepConfig(BaseModel):
         return space_lib.config_class(self.pipeline).model_validate(merged)
 
     def base_config(self) -> Any:
-        """`base` as the pipeline's config (its defaults filled in)."""
-        return space_lib.config_class(self.pipeline).model_validate(self.base)
+        """`base` over the pipeline's defaults (its default preset), as its config."""
+        return space_lib.start_config(self.pipeline, self.base)
+
+    @property
+    def objective(self) -> tuple[str, space_lib.Mode]:
+        """The metric optimised and its direction (the pipeline's own unless given)."""
+        spec = PIPELINES[self.pipeline]
+        if self.metric is None:
+            return spec.sweep_metric, self.mode or spec.sweep_mode
+        if self.mode is None and self.metric == spec.sweep_metric:
+            return self.metric, spec.sweep_mode
+        return self.metric, self.mode or "min"
 
     @property
     def ranks_per_trial(self) -> int:
         return int(self.base_config().gpus)
 
+    @property
+    def target(self) -> str:
+        return self.objective[0]
+
+    @property
+    def direction(self) -> space_lib.Mode:
+        return self.objective[1]
+
     @model_validator(mode="after")
     def _check(self) -> "SweepConfig":
+        self.metric, self.mode = self.objective
         base = self.base_config()
         if self.space:
             space_lib.check_space(type(base), base.model_dump(), self.space, self.sampler)
@@ -185,7 +223,7 @@ def sweep(config: SweepConfig = SweepConfig()) -> SweepResult:
         study = space_lib.open_study(
             folder,
             parent,
-            config.mode,
+            config.direction,
             space_lib.make_sampler(config.sampler, config.seed),
             space_lib.make_pruner(
                 config.pruner, config.prune_startup_trials, config.prune_warmup_steps
@@ -346,7 +384,7 @@ class _Trials:
             return
         seen = self.reported.setdefault(number, set())
         # The pruner compares in the study's direction; flip a metric that goes the other way.
-        sign = 1.0 if self.config.prune_mode == self.config.mode else -1.0
+        sign = 1.0 if self.config.prune_mode == self.config.direction else -1.0
         for step, value in sorted(
             tracking.metric_history(run_id, self.config.prune_metric).items()
         ):
@@ -378,18 +416,18 @@ class _Trials:
             self.report(number, trial)
         trial.set_user_attr(space_lib.VERSION, result.model_version)
         trial.set_user_attr(space_lib.PASSED, result.champion)
-        value = result.metrics.get(self.config.metric)
+        value = result.metrics.get(self.config.target)
         if value is None:
             have = ", ".join(sorted(result.metrics))
-            trial.set_user_attr(space_lib.ERROR, f"no metric {self.config.metric!r} (has {have})")
+            trial.set_user_attr(space_lib.ERROR, f"no metric {self.config.target!r} (has {have})")
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
             return
         self.study.tell(trial, value)
-        print(f"trial {number} complete: {self.config.metric} {value:.4g}")
+        print(f"trial {number} complete: {self.config.target} {value:.4g}")
 
     def publish(self) -> None:
         rows = space_lib.trial_rows(self.study)
-        metric = self.config.metric
+        metric = self.config.target
         publish_trials(
             key=f"sweep-{self.config.pipeline}-trials",
             title=f"Sweep of {self.config.pipeline}: {len(rows)} trials",
@@ -401,7 +439,7 @@ class _Trials:
 def _promote(config: SweepConfig, base: Any, parent: str, study: optuna.Study) -> SweepResult:
     """Give the alias to the best trial's model if it passed the gate; log the sweep's outcome."""
     rows = space_lib.trial_rows(study)
-    best = space_lib.best_row(rows, config.mode)
+    best = space_lib.best_row(rows, config.direction)
     name = base.registered_model_name
     promoted = best is not None and best.passed_gate and best.model_version is not None
     if best is not None and best.model_version and promoted:
@@ -421,10 +459,10 @@ def _promote(config: SweepConfig, base: Any, parent: str, study: optuna.Study) -
     }
     metrics: dict[str, float] = {}
     if best is not None and best.value is not None:
-        metrics[f"best_{config.metric}"] = best.value
+        metrics[f"best_{config.target}"] = best.value
     tracking.log_metrics(parent, {**metrics, **{k: float(v) for k, v in summary.items()}})
     tracking.log_figure(
-        parent, space_lib.metric_plot(rows, config.metric, list(config.space)), "sweep.png"
+        parent, space_lib.metric_plot(rows, config.target, list(config.space)), "sweep.png"
     )
     return SweepResult(
         mlflow_run_id=parent,

@@ -152,15 +152,34 @@ def parse_config(
     presets: Mapping[str, Callable[[], M]] | None = None,
     resumed: Callable[[str], dict[str, Any]] | None = None,
 ) -> M:
-    """Parse `argv` into a validated `model`, starting from `defaults`.
+    """Parse `argv` into a validated `model`, starting from `defaults` (`parse_command_line`
+    without switches)."""
+    return parse_command_line(model, defaults, argv, prog, description, presets, resumed)[0]
+
+
+def parse_command_line(
+    model: type[M],
+    defaults: M,
+    argv: list[str] | None,
+    prog: str,
+    description: str,
+    presets: Mapping[str, Callable[[], M]] | None = None,
+    resumed: Callable[[str], dict[str, Any]] | None = None,
+    switches: Mapping[str, str] | None = None,
+) -> tuple[M, set[str]]:
+    """Parse `argv` into a validated `model`, starting from `defaults`, and the switches given.
 
     `--config FILE` (YAML or JSON) starts from a whole config in a file instead; with
     `presets`, so does `--preset NAME`; with `resumed` (run id -> that run's saved config), so
     does `--resume RUN_ID`. The other options override the starting values.
+    `switches` (`--name` -> help) are on/off options that are not part of the config
+    (`--dry-run`); the ones given are returned beside it.
     Invalid values exit with status 2 and a message naming the option (or the file), like any
     argparse error.
     """
     parser = build_parser(model, defaults, prog, description)
+    for switch, help_text in (switches or {}).items():
+        parser.add_argument(switch, action="store_true", default=argparse.SUPPRESS, help=help_text)
     start = parser.add_mutually_exclusive_group()
     start.add_argument(
         "--config",
@@ -177,6 +196,7 @@ def parse_config(
             "(defaults shown here are the default preset's).",
         )
     given = vars(parser.parse_args(argv))
+    on = {s for s in switches or {} if given.pop(s.lstrip("-").replace("-", "_"), False)}
     base = defaults.model_dump()
     if presets and "preset" in given:
         base = presets[given.pop("preset")]().model_dump()
@@ -191,7 +211,7 @@ def parse_config(
             parser.error(f"--resume {given['resume']}: {exc}")
     merged = _merge(base, _nest(given))
     try:
-        return model.model_validate(merged)
+        return model.model_validate(merged), on
     except ValidationError as exc:
         flags = set(parser._option_string_actions)
         parser.error("; ".join(_problem(err, flags) for err in exc.errors()))
@@ -249,7 +269,14 @@ def pipeline_config(
 
     `--resume RUN_ID` starts from the config that run was started with.
     """
-    return _command_line_config(flow.name, defaults, argv, doc, presets)
+    return _command_line_config(flow.name, defaults, argv, doc, presets)[0]
+
+
+DRY_RUN_HELP = (
+    "Plan the run without starting it: check the config, files and names, estimate memory "
+    "per GPU, print placement, data, checkpoints and where it would run; exit 0 if it would "
+    "fit, 1 naming what does not. Needs neither the GPUs nor the network."
+)
 
 
 def _command_line_config(
@@ -258,11 +285,12 @@ def _command_line_config(
     argv: list[str] | None,
     doc: str | None,
     presets: Mapping[str, Callable[[], M]] | None,
-) -> M:
+    switches: Mapping[str, str] | None = None,
+) -> tuple[M, set[str]]:
     from trainflow.paths import read_run_config
 
     resumable = "resume" in type(defaults).model_fields
-    return parse_config(
+    return parse_command_line(
         type(defaults),
         defaults,
         argv,
@@ -270,6 +298,7 @@ def _command_line_config(
         description=doc or "",
         presets=presets,
         resumed=(lambda run_id: read_run_config(name, run_id)) if resumable else None,
+        switches=switches,
     )
 
 
@@ -295,7 +324,7 @@ def start_ahead(
 
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            config = _command_line_config(name, defaults, argv, None, presets)
+            config = _command_line_config(name, defaults, argv, None, presets)[0]
             _check_machine(name, config)
             if check is not None:
                 check(config)
@@ -379,6 +408,7 @@ def run_pipeline(
     server: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     check: Callable[[Any], None] | None = None,
     deep_check: Callable[[Any], None] | None = None,
+    dry_run: Callable[[Any], bool] | None = None,
 ) -> Any:
     """`python -m flows.<name>`: parse the command line, run the flow, print where things are.
 
@@ -401,11 +431,16 @@ def run_pipeline(
             run before the server starts; a `ValueError` from it is a usage error.
         deep_check: A check that needs the workload's libraries (seconds of imports): it
             runs while the server starts, which it stops on a usage error.
+        dry_run: With it, `--dry-run` plans the run instead: it prints the plan and returns
+            whether the run would fit (exit 0, else 1); nothing starts.
     """
     from trainflow import tracking
     from trainflow.data.errors import DataError
 
-    config = pipeline_config(flow, defaults, argv, doc, presets)
+    switches = {"--dry-run": DRY_RUN_HELP} if dry_run else None
+    config, on = _command_line_config(flow.name, defaults, argv, doc, presets, switches)
+    if dry_run is not None and "--dry-run" in on:
+        raise SystemExit(0 if dry_run(config) else 1)
     _check_machine(flow.name, config)
     _usage_check(flow, check, config)
     before = tracking.last_run_id()

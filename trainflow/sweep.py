@@ -11,7 +11,6 @@ Pure logic: the flow (`flows/sweep.py`) runs the trials and talks to Prefect.
 
 import builtins
 import copy
-import importlib
 import itertools
 import math
 import time
@@ -22,6 +21,8 @@ from typing import Any, Literal
 
 import optuna
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from trainflow.pipelines import PIPELINES
 
 Scalar = str | int | float | bool | None
 
@@ -55,19 +56,40 @@ Sampler = Literal["grid", "random", "tpe"]
 Pruner = Literal["none", "median", "asha"]
 Mode = Literal["min", "max"]
 
-# Each pipeline's config class, imported only when a sweep of that pipeline is checked.
-PIPELINE_CONFIGS = {
-    "mlp": "trainflow.configs.mlp:MLPConfig",
-    "transformer": "trainflow.configs.transformer:TransformerConfig",
-    "sft": "trainflow.configs.sft:SFTConfig",
-}
-
 
 def config_class(pipeline: str) -> type[BaseModel]:
-    """The pipeline's own pydantic config class."""
-    module, name = PIPELINE_CONFIGS[pipeline].split(":")
-    cls: type[BaseModel] = getattr(importlib.import_module(module), name)
-    return cls
+    """The pipeline's own pydantic config class (`trainflow.pipelines`)."""
+    return PIPELINES[pipeline].config_class()
+
+
+def start_config(pipeline: str, base: Mapping[str, Any]) -> BaseModel:
+    """A trial's starting config: the pipeline's defaults (its default preset, as
+    `python -m flows.<pipeline>` starts from), with `base`'s options over them.
+
+    Raises:
+        ValidationError: `base` is not a valid config of the pipeline.
+    """
+    spec = PIPELINES[pipeline]
+    merged = _deep_merge(spec.defaults().model_dump(), dict(base))
+    return spec.config_class().model_validate(merged)
+
+
+def _deep_merge(into: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(into)
+    for key, value in update.items():
+        old = out.get(key)
+        # Switching a union's variant (technique fsdp -> ddp) replaces its options.
+        same_variant = not (
+            isinstance(value, Mapping)
+            and isinstance(old, dict)
+            and "name" in value
+            and value["name"] != old.get("name")
+        )
+        if isinstance(value, Mapping) and isinstance(old, dict) and same_variant:
+            out[key] = _deep_merge(old, value)
+        else:
+            out[key] = value
+    return out
 
 
 def _bounds(dimension: Dimension) -> list[Scalar]:

@@ -182,13 +182,13 @@ def test_a_retry_of_the_flow_run_continues_the_same_mlflow_run(prefect_api):
 
     from flows.skeleton import tracked_run
     from trainflow.configs.mlp import MLPConfig
-    from trainflow.workloads import WORKLOADS
+    from trainflow.pipelines import PIPELINES
 
     opened: list[str] = []
 
     @flow(retries=1, retry_delay_seconds=0)
     def lost_a_node_once(config: MLPConfig) -> str:
-        with tracked_run(WORKLOADS["mlp"], config) as run:
+        with tracked_run(PIPELINES["mlp"].ranks, config) as run:
             opened.append(run.run_id)
             if len(opened) == 1:
                 raise RuntimeError("the node went away")

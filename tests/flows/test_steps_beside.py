@@ -6,7 +6,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.skeleton import TrackedRun
-from trainflow.workloads import WORKLOADS
+from trainflow.pipelines import PIPELINES
 
 RELEASED = threading.Event()
 
@@ -26,7 +26,7 @@ def evaluate(run: TrackedRun) -> str:
 
 @flow
 def pipeline(output_dir: str) -> list[str]:
-    run = TrackedRun(WORKLOADS["mlp"], None, "run-1", output_dir, {})
+    run = TrackedRun(PIPELINES["mlp"].ranks, None, "run-1", output_dir, {})
     run.pending.add(plot.submit())
     evaluated = evaluate(run)
     run.pending.results()

@@ -1,5 +1,6 @@
 """NaN and infinite numbers are refused in every pipeline config, naming the option."""
 
+import functools
 import math
 import types
 import typing
@@ -8,14 +9,16 @@ from typing import Any, get_args, get_origin
 import pytest
 from pydantic import BaseModel
 
+from flows import command
 from flows.mlp import mlp
 from flows.prepare import prepare
-from flows.sft import parse_args as parse_sft
 from flows.transformer import transformer
 from trainflow.cli import pipeline_config
 from trainflow.configs.mlp import MLPConfig
 from trainflow.configs.transformer import TransformerConfig
 from trainflow.data.config import load_preset
+
+parse_sft = functools.partial(command.parse_args, "sft")
 
 
 def _float_flags(model: type[BaseModel], defaults: BaseModel, prefix: str = "") -> list[str]:

@@ -2,12 +2,13 @@
 
 import os
 import stat
+from typing import Any
 
 import pytest
 import torch
 from transformers import GptOssConfig, LlamaConfig
 
-from flows import sft as pipeline
+from flows import command
 from trainflow import memory, tracking
 from trainflow.configs.sft import SHIPPED_TOKENIZER
 from trainflow.data.tokenizer import load_tokenizer
@@ -21,6 +22,12 @@ from trainflow.memory import (
 )
 from trainflow.models.causal_lm import build_causal_lm
 from trainflow.strategies import DDPConfig, DeepSpeedConfig, FSDPConfig
+from trainflow.workloads import sft_startup
+
+
+def _parse(argv: list[str]) -> Any:
+    return command.parse_args("sft", argv)
+
 
 LLAMA_1B = KNOWN_MODELS["meta-llama/Llama-3.2-1B-Instruct"]
 GPT_OSS_120B = KNOWN_MODELS["openai/gpt-oss-120b"]
@@ -32,7 +39,7 @@ def _states(e: memory.Estimate) -> float:
 
 
 def _plan(argv: list[str]) -> memory.MemoryPlan:
-    return memory.plan_sft(pipeline.parse_args(argv), detect=False)
+    return memory.plan_sft(_parse(argv), detect=False)
 
 
 def test_full_finetune_with_ddp_is_16_bytes_per_parameter_plus_activations():
@@ -138,7 +145,9 @@ def test_ddp_for_gpt_oss_120b_on_8_h100_is_refused_naming_both_numbers():
     message = str(refused.value)
     needed = estimate(
         GPT_OSS_120B,
-        pipeline.parse_args(["--preset", "gpt-oss-120b", "--technique", "ddp"]).training_setup(),
+        command.parse_args(
+            "sft", ["--preset", "gpt-oss-120b", "--technique", "ddp"]
+        ).training_setup(),
         DDPConfig(),
     )
     assert f"needs an estimated {needed.total_gb:.1f} GB per GPU" in message
@@ -158,10 +167,10 @@ def test_the_shipped_gpu_presets_fit_their_gpus():
 
 
 def test_auto_picks_ddp_when_a_replica_fits_and_prints_the_estimate(capsys):
-    config = pipeline.parse_args(
-        ["--preset", "llama-3.2-1b-zero3", "--technique", "auto", "--gpu-memory-gb", "80"]
+    config = command.parse_args(
+        "sft", ["--preset", "llama-3.2-1b-zero3", "--technique", "auto", "--gpu-memory-gb", "80"]
     )
-    plan = pipeline.plan_memory(config)
+    plan = sft_startup.plan_memory(config)
     out = capsys.readouterr().out
     assert isinstance(plan.technique, DDPConfig) and plan.requested == "auto"
     assert "memory estimate: meta-llama/Llama-3.2-1B-Instruct (1.24B params; table)" in out
@@ -173,10 +182,10 @@ def test_auto_picks_ddp_when_a_replica_fits_and_prints_the_estimate(capsys):
 
 
 def test_auto_shards_gpt_oss_120b_on_8_h100_after_ddp_and_zero2_do_not_fit(capsys):
-    config = pipeline.parse_args(
-        ["--preset", "gpt-oss-120b", "--technique", "auto", "--gpu-memory-gb", "80"]
+    config = command.parse_args(
+        "sft", ["--preset", "gpt-oss-120b", "--technique", "auto", "--gpu-memory-gb", "80"]
     )
-    plan = pipeline.plan_memory(config)
+    plan = sft_startup.plan_memory(config)
     out = capsys.readouterr().out
     assert isinstance(plan.technique, FSDPConfig) and not plan.technique.cpu_offload
     assert plan.technique.activation_checkpointing and plan.technique.mixed_precision == "bf16"
@@ -239,12 +248,12 @@ def test_gpu_memory_is_read_from_nvidia_smi(tmp_path, monkeypatch):
 
 
 def test_gpu_memory_option_is_parsed_and_checked():
-    assert pipeline.parse_args(["--gpu-memory-gb", "80"]).gpu_memory_gb == 80.0
-    assert pipeline.parse_args([]).gpu_memory_gb is None
+    assert _parse(["--gpu-memory-gb", "80"]).gpu_memory_gb == 80.0
+    assert _parse([]).gpu_memory_gb is None
     for bad in ("0", "-1", "nan"):
         with pytest.raises(SystemExit):
-            pipeline.parse_args(["--gpu-memory-gb", bad])
-    config = pipeline.parse_args(["--gpu-memory-gb", "80"])
+            _parse(["--gpu-memory-gb", bad])
+    config = _parse(["--gpu-memory-gb", "80"])
     assert "gpu_memory_gb" not in config.training_fields()  # a resume may change GPUs
 
 
@@ -252,11 +261,11 @@ def test_the_plan_is_recorded_as_run_params_and_a_continued_run_keeps_them():
     client = tracking.store_client()
     run_id = client.create_run(client.create_experiment("memory")).info.run_id
     plan = _plan(["--preset", "gpt-oss-120b", "--technique", "auto"])
-    pipeline.record_memory_plan(run_id, plan)
+    sft_startup.record_memory_plan(run_id, plan)
     params = client.get_run(run_id).data.params
     assert params["memory.technique_requested"] == "auto"
     assert params["memory.technique_chosen"] == plan.technique.describe()
     assert params["memory.estimate_gb"] == f"{plan.estimate.total_gb:.2f}"
     assert params["memory.available_gb"] == "80.00" and params["memory.params_gb"] == "29.21"
-    pipeline.record_memory_plan(run_id, _plan(["--preset", "gpt-oss-120b"]))  # continued
+    sft_startup.record_memory_plan(run_id, _plan(["--preset", "gpt-oss-120b"]))  # continued
     assert client.get_run(run_id).data.params == params

@@ -6,7 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from flows import sft as pipeline
+from flows import command
 from trainflow.data.tokenizer import load_tokenizer
 from trainflow.evaluation import split_prompt_answer
 from trainflow.models.causal_lm import TINY_ARCHITECTURES, build_causal_lm
@@ -15,7 +15,7 @@ from trainflow.workloads import sft
 
 
 def _parse(argv: list[str]) -> sft.SFTConfig:
-    return pipeline.parse_args(argv)
+    return command.parse_args("sft", argv)
 
 
 def test_debug_preset_is_tiny_llama_on_shipped_data_with_ddp_on_2_cpu_ranks():

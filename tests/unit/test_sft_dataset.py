@@ -1,10 +1,14 @@
 """The SFT dataset option: a preset, a local chat file or a Hub id; a missing file says so."""
 
+import functools
+
 import pytest
 
-from flows.sft import parse_args
+from flows import command
 from tests.unit.conftest_data import instruction_rows, write_jsonl
 from trainflow.data import prepare_dataset
+
+parse_args = functools.partial(command.parse_args, "sft")
 
 
 def test_missing_local_file_is_reported_as_missing(capsys):

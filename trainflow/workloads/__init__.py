@@ -14,8 +14,8 @@ metrics and the logged model in `TrainResult.evaluation`; the pipeline then only
 can have a launch's standby agent run them ahead (`record_checked_ahead`).
 
 `job` is the workload's config, or a model carrying it with what the pipeline prepared (the
-SFT job adds its dataset). Adding a workload: that module, its config, one line in `WORKLOADS`,
-a flow in `flows/` and its `prefect.yaml` entries.
+SFT job adds its dataset). A workload is registered as part of its pipeline's spec
+(`trainflow.pipelines.PIPELINES`).
 
 This package imports nothing heavy: the registry is read before any rank starts.
 """
@@ -88,16 +88,3 @@ def record_checked_ahead(workload: str, config: Any) -> None:
 def checked_ahead(workload: str, config: Any) -> bool:
     """Whether `config`, exactly, passed `workload`'s checks ahead (`record_checked_ahead`)."""
     return (workload, config.model_dump_json()) in _checked_ahead
-
-
-WORKLOADS: dict[str, WorkloadSpec] = {
-    "mlp": WorkloadSpec("mlp", "trainflow.workloads.mlp", "torch", "MLP"),
-    "transformer": WorkloadSpec(
-        "transformer", "trainflow.workloads.transformer", "torch", "Transformer"
-    ),
-    "sft": WorkloadSpec("sft", "trainflow.workloads.sft", "hf", "SFT", alias="champion"),
-    "detection": WorkloadSpec("detection", "trainflow.workloads.detection", "torch", "Detection"),
-    "two_tower": WorkloadSpec(
-        "two_tower", "trainflow.workloads.two_tower", "lightning", "Two-tower", alias="champion"
-    ),
-}

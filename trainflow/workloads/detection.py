@@ -20,13 +20,14 @@ from trainflow import checkpoint, runtime
 from trainflow.configs.detection import DetectionConfig, DetectionJob
 from trainflow.data.errors import DataError
 from trainflow.data.paths import is_remote
-from trainflow.data.shapes import decode_png, render
+from trainflow.data.shapes import decode_png
 from trainflow.models.detection import BoxPredictor, build_retinanet
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.job import TrainResult, local_path
 from trainflow.strategies.loop import Batch, Schedule, exported, fit
 from trainflow.tracking import PROGRESS_FILE, SINK_IMPORTS, metrics_sink
 from trainflow.workloads import Evaluation
+from trainflow.workloads.detection_checks import check_config as check_config
 
 # Imported by the ranks only once they run (the MDS reader; rank 0's MLflow store); the
 # launch's standby agent imports them ahead.
@@ -50,36 +51,6 @@ def _build(config: DetectionConfig) -> RetinaNet:
         m.fpn_channels,
         m.detections_per_image,
     )
-
-
-def check_config(config: DetectionConfig) -> None:
-    """Refuse, before data is generated or any rank starts, what would only fail later.
-
-    The mAP needs a COCO evaluation backend, and every class must appear among the held-out
-    images, or its precision would be measured on nothing (the held-out boxes are drawn here:
-    a second for the default sizes).
-
-    Raises:
-        ValueError: naming the option to change.
-    """
-    import importlib.util
-
-    if not any(importlib.util.find_spec(m) for m in ("pycocotools", "faster_coco_eval")):
-        raise ValueError(
-            "evaluation needs pycocotools (or faster-coco-eval) for the COCO mAP; "
-            "install the project's dependencies"
-        )
-    spec, data = config.data.spec(), config.data
-    index = sorted(data.counts()).index("validation")
-    seen: set[int] = set()
-    for i in range(data.num_eval_images):
-        seen.update(render(spec, np.random.default_rng([spec.seed, index, i]))[2].tolist())
-    missing = sorted(set(range(data.num_classes)) - seen)
-    if missing:
-        raise ValueError(
-            f"data.num_eval_images={data.num_eval_images}: the held-out images show no object "
-            f"of class(es) {missing} of data.num_classes={data.num_classes}; use more images"
-        )
 
 
 def read_split(uri: str, split: str) -> Split:

@@ -28,9 +28,7 @@ from torchmetrics.functional.classification import binary_auroc
 from trainflow import checkpoint, runtime
 from trainflow.compat.lightning import leave_sigterm_to_launcher
 from trainflow.configs.two_tower import TwoTowerConfig, TwoTowerJob
-from trainflow.data import DataError, LoaderConfig, PreparedDataset, build_dataloader
-from trainflow.data.checks import check_files
-from trainflow.data.sources import holdout_size, load_source
+from trainflow.data import LoaderConfig, PreparedDataset, build_dataloader
 from trainflow.efficiency import EfficiencyMeter
 from trainflow.errors import Preempted
 from trainflow.models.two_tower import TwoTower, recall_at_k, sampled_negative_loss
@@ -38,6 +36,7 @@ from trainflow.strategies.base import Strategy, adamw, gather_full_state_dict
 from trainflow.strategies.job import TrainResult, local_path
 from trainflow.tracking import PROGRESS_FILE, SINK_IMPORTS, ProgressFile, tracking_uri
 from trainflow.workloads import Evaluation
+from trainflow.workloads.two_tower_checks import check_config as check_config
 
 # Imported by rank 0 only once Lightning's MLflow logger starts; the launch's standby agent
 # imports it ahead.
@@ -52,65 +51,6 @@ def build_model(job: TwoTowerJob | TwoTowerConfig) -> TwoTower:
     return TwoTower(
         t.num_users, t.num_items, t.num_categories, t.embedding_dim, t.hidden_sizes, t.output_dim
     )
-
-
-def check_config(config: TwoTowerConfig) -> None:
-    """Refuse, before data is prepared or any rank starts, input the ranks would fail on.
-
-    Every named column exists, every split keeps rows after the split by time, and every id
-    fits its tower (an id past `num_users` would fail inside an embedding, on a rank).
-
-    Raises:
-        ValueError: naming the config field, the bad value and what the data holds.
-    """
-    data = config.data_config()
-    try:
-        check_files(data)
-    except DataError as err:
-        for field, column in config.data.columns().items():
-            try:
-                check_files(_reading_only(data, column))
-            except DataError:
-                raise ValueError(f"data.{field}={column!r}: {err}") from None
-        raise ValueError(f"data.dataset={config.data.dataset!r}: {err}") from None
-    rows = load_source(data.model_copy(update={"test": None, "validation": None}))["train"]
-    d = config.data
-    if d.time_column not in rows.column_names:
-        raise ValueError(
-            f"data.time_column={d.time_column!r} is not a column of {d.dataset!r}; "
-            f"it has {rows.column_names}"
-        )
-    num_test = holdout_size(len(rows), d.test_fraction)
-    num_validation = holdout_size(len(rows) - num_test, d.validation_fraction)
-    for field, size in (("test_fraction", num_test), ("validation_fraction", num_validation)):
-        if size == 0:
-            raise ValueError(
-                f"data.{field}={getattr(d, field)} leaves the {field.removesuffix('_fraction')} "
-                f"split empty: {d.dataset!r} has {len(rows)} rows"
-            )
-    if len(rows) - num_test - num_validation == 0:
-        raise ValueError(f"data: the train split of {d.dataset!r} would be empty")
-    t = config.towers
-    for column, field, bound in (
-        (d.user_column, "num_users", t.num_users),
-        (d.item_column, "num_items", t.num_items),
-        (d.category_column, "num_categories", t.num_categories),
-    ):
-        values = np.asarray(rows[column])
-        if values.min() < 0 or values.max() >= bound:
-            raise ValueError(
-                f"towers.{field}={bound}: column {column!r} holds ids "
-                f"{values.min()}..{values.max()}; ids must be 0..{bound - 1}"
-            )
-    labels = set(np.unique(np.asarray(rows[d.label_column])).tolist())
-    if not labels <= {0, 1}:
-        raise ValueError(f"data.label_column={d.label_column!r} holds {sorted(labels)}, not 0/1")
-
-
-def _reading_only(data: Any, column: str) -> Any:
-    """`data` with a transform that reads just `column` (to tell which column is missing)."""
-    transform = data.transform.model_copy(update={"columns": {column: "int64"}})
-    return data.model_copy(update={"transform": transform})
 
 
 def read_split(uri: str, split: str) -> dict[str, np.ndarray]:
