@@ -429,7 +429,7 @@ class _Trials:
         rows = space_lib.trial_rows(self.study)
         metric = self.config.target
         publish_trials(
-            key=f"sweep-{self.config.pipeline}-trials",
+            key=f"sweep-{self.config.pipeline.replace('_', '-')}-trials",
             title=f"Sweep of {self.config.pipeline}: {len(rows)} trials",
             table=space_lib.markdown_table(rows, metric, self.keys),
             figure=space_lib.metric_plot(rows, metric, self.keys),
