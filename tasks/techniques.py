@@ -10,7 +10,7 @@ from prefect.states import State
 from trainflow.errors import is_transient
 from trainflow.launch.backends import launch_logged
 from trainflow.paths import STOP_FILE
-from trainflow.strategies import TechniqueConfig
+from trainflow.strategies import Technique
 from trainflow.strategies.job import (
     Resources,
     TrainResult,
@@ -32,7 +32,7 @@ def retry_if_transient(_task: Task, _run: TaskRun, state: State) -> bool:
 
 @task(name="train-with-technique", cache_policy=NO_CACHE, persist_result=False)
 def _train_with_technique(
-    workload: Workload, technique: TechniqueConfig, resources: Resources
+    workload: Workload, technique: Technique, resources: Resources
 ) -> TrainResult:
     check_before_launch(workload, technique, resources)
     # Creating this file stops the training as a preemption would, with no retry (a sweep's
@@ -42,7 +42,7 @@ def _train_with_technique(
 
 
 def train_with_technique(
-    workload: Workload, technique: TechniqueConfig, resources: Resources
+    workload: Workload, technique: Technique, resources: Resources
 ) -> TrainResult:
     """Fail before any rank starts if the technique cannot train the workload, else train.
 

@@ -22,7 +22,8 @@ fp32):
   states by W, ZeRO-2 also the grads, ZeRO-3 also the params (frozen ones included). FSDP full
   shard divides all three by W (its `reshard_after_forward=false` keeps the whole model
   gathered between forward and backward). CPU offload moves what it offloads to host RAM
-  (reported, not checked).
+  (reported, not checked). Each technique config holds its own part of this
+  (`memory_per_gpu`: a `Replica` in, `States` out), so a registered technique is estimated too.
 - **Gathered working set** (FSDP and ZeRO-3): the units being computed stay whole on the GPU:
   two decoder layers (the one running and the one prefetched) and the output head, in the
   compute dtype, plus their unsharded grads when they are trained.
@@ -52,14 +53,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from trainflow.launch.plan import gpu_name_matches, query_gpus
-from trainflow.strategies.config import DDPConfig, DeepSpeedConfig, FSDPConfig, Precision
+from trainflow.strategies.config import DDPConfig, DeepSpeedConfig, FSDPConfig, Precision, Technique
+from trainflow.strategies.footprint import Replica
 
 GB = 1e9
 # Memory per GPU by type, in GB as sold (conservative: an "80 GB" H100 reports 85.5 GB).
 GPU_MEMORY_GB: dict[str, float] = {"H100": 80, "H200": 141, "A100": 80, "A10": 24, "L4": 24}
 RESERVE_GB = 2.0
-
-Technique = DDPConfig | FSDPConfig | DeepSpeedConfig
 
 
 class MemoryFitError(ValueError):
@@ -349,59 +349,39 @@ def _activations(shape: ModelShape, setup: TrainingSetup) -> float:
     return shape.num_layers * per_layer
 
 
-def estimate(shape: ModelShape, setup: TrainingSetup, technique: Technique) -> Estimate:
-    """Memory per GPU of training `shape` as `setup` says with `technique` (see the module)."""
-    w = setup.world_size
-    mixed_ds = isinstance(technique, DeepSpeedConfig) and setup.precision == "bf16"
-    p_bytes, g_bytes, o_bytes = (2, 2, 12) if mixed_ds else (4, 4, 8)
+def replica(shape: ModelShape, setup: TrainingSetup) -> Replica:
+    """One whole copy of the model states of training `shape` as `setup` says, unsharded."""
     if setup.lora_rank is None:
         trained, frozen, frozen_bytes = float(shape.params), 0.0, 0
     else:
         trained = float(lora_params(shape, setup.lora_rank, setup.lora_targets))
         frozen = shape.params - trained
         frozen_bytes = 2 if setup.weights_dtype == "bf16" else 4
-    params = trained * p_bytes + frozen * frozen_bytes
-    grads = trained * g_bytes
-    optimizer = trained * o_bytes
-    buffers, host = 0.0, 0.0
     gathered = 2 * shape.layer_params + shape.vocab_size * shape.hidden_size
-    trained_share = trained / shape.params
-    working = gathered * setup.compute_bytes * (1 + trained_share)
-    if isinstance(technique, DDPConfig):
-        buffers = trained * 4
-    elif isinstance(technique, FSDPConfig):
-        params, grads, optimizer = params / w, grads / w, optimizer / w
-        if not technique.reshard_after_forward:
-            gathered = float(shape.params)
-            working = gathered * setup.compute_bytes * (1 + trained_share)
-        buffers = working
-        if technique.cpu_offload:
-            host = params + grads + optimizer
-            params = grads = optimizer = 0.0
-    else:
-        stage = technique.zero_stage
-        optimizer /= w
-        if stage >= 2:
-            grads /= w
-        if stage == 3:
-            params /= w
-            buffers = working
-        if technique.offload_optimizer:
-            host += optimizer
-            optimizer = 0.0
-        if technique.offload_param:
-            host += params
-            params = 0.0
+    with_grads = 1 + trained / shape.params
+    return Replica(
+        trained=trained,
+        frozen_weights=frozen * frozen_bytes,
+        world_size=setup.world_size,
+        precision=setup.precision,
+        layer_units=gathered * setup.compute_bytes * with_grads,
+        whole_model=float(shape.params) * setup.compute_bytes * with_grads,
+    )
+
+
+def estimate(shape: ModelShape, setup: TrainingSetup, technique: Technique) -> Estimate:
+    """Memory per GPU of training `shape` as `setup` says with `technique` (see the module)."""
+    states = technique.memory_per_gpu(replica(shape, setup))
     b, s, v = setup.micro_batch_size, setup.seq_len, shape.vocab_size
     return Estimate(
         technique=technique.describe(),
-        params=params,
-        grads=grads,
-        optimizer=optimizer,
-        buffers=buffers,
+        params=states.params,
+        grads=states.grads,
+        optimizer=states.optimizer,
+        buffers=states.buffers,
         activations=_activations(shape, setup),
         logits=b * s * v * (setup.compute_bytes + 8),
-        host=host,
+        host=states.host,
     )
 
 
@@ -603,7 +583,7 @@ def plan_sft(config: SFTRun, *, detect: bool = True) -> MemoryPlan:
     setup = config.training_setup()
     available = available_memory(config.gpu_memory_gb, config.gpu_type, detect=detect)
     technique = config.technique
-    if isinstance(technique, DDPConfig | FSDPConfig | DeepSpeedConfig):
+    if isinstance(technique, Technique):  # else `auto`
         found = estimate(shape, setup, technique)
         check_fit(found, available, "try --technique auto, or see docs/sft.md for the formulas")
         return MemoryPlan(technique.name, technique, shape, setup, found, available, (found,))

@@ -37,7 +37,8 @@ def build_mlp(config: mlp.MLPConfig) -> SimpleMLP:
 
 def test_technique_is_chosen_by_name():
     names = {c.model_fields["name"].default for c in TechniqueConfig.__args__[0].__args__}
-    assert names == set(STRATEGIES) == {"ddp", "fsdp", "deepspeed"}
+    # Other test modules may register techniques of their own (test_toy_technique).
+    assert names == set(STRATEGIES) >= {"ddp", "fsdp", "deepspeed"}
     assert isinstance(TransformerConfig().technique, FSDPConfig)
     config = TransformerConfig(technique={"name": "deepspeed", "zero_stage": 3})
     assert isinstance(config.technique, DeepSpeedConfig) and config.technique.zero_stage == 3

@@ -5,7 +5,7 @@ turns one into the CPU run of the same recipe on the tiny model of the same fami
 """
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -22,8 +22,10 @@ from trainflow.strategies.config import (
     FSDPConfig,
     OptimizerConfig,
     Precision,
+    Technique,
     check_framework,
 )
+from trainflow.strategies.technique import UNION_DESCRIPTION, technique_union
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets" / "sft"
 SHIPPED_TOKENIZER = str(REPO_ROOT / "data" / "tokenizer")
@@ -107,10 +109,23 @@ class AutoTechnique(_Model):
         return "auto"
 
 
-SFTTechnique = Annotated[
-    DDPConfig | FSDPConfig | DeepSpeedConfig | AutoTechnique,
-    Field(discriminator="name", description="Parallelism technique and its options."),
-]
+if TYPE_CHECKING:
+    SFTTechnique = Annotated[
+        DDPConfig | FSDPConfig | DeepSpeedConfig | AutoTechnique,
+        Field(discriminator="name", description=UNION_DESCRIPTION),
+    ]
+else:
+    SFTTechnique = technique_union(AutoTechnique)  # and any technique registered later
+
+
+def _follow(technique: Technique, option: str | None, value: Any) -> Any:
+    """Set the technique's `option` to the run's `value` unless the technique was given one;
+    the option's value then (`value` when the technique has no such option)."""
+    if option is None:
+        return value
+    if option not in technique.model_fields_set:
+        setattr(technique, option, value)
+    return getattr(technique, option)
 
 
 class SFTConfig(PipelineConfig):
@@ -191,26 +206,24 @@ class SFTConfig(PipelineConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "SFTConfig":
-        technique = self.technique
-        if not isinstance(technique, AutoTechnique):
+        technique = self.chosen_technique()
+        if technique is not None:
             technique.check_world_size(self.gpus)
             check_framework(technique, "hf")  # SFT trains with the Hugging Face Trainer
-        if isinstance(technique, FSDPConfig | DeepSpeedConfig) and self.precision != "auto":
-            if "mixed_precision" not in technique.model_fields_set:
-                technique.mixed_precision = self.precision  # `--technique fsdp` follows it
-            elif technique.mixed_precision != self.precision:
+            if self.precision != "auto":  # `--technique fsdp` follows it, unless given its own
+                own = _follow(technique, technique.precision_option, self.precision)
+                if own != self.precision:
+                    raise ValueError(
+                        f"precision={self.precision!r} but technique."
+                        f"{technique.precision_option}={own!r}: set one of them, or both alike"
+                    )
+            # A technique's own recomputation replaces the Trainer's (accelerate refuses the
+            # Trainer's beside FSDP's).
+            option = technique.checkpointing_option
+            if self.gradient_checkpointing and not _follow(technique, option, True):
                 raise ValueError(
-                    f"precision={self.precision!r} but technique.mixed_precision="
-                    f"{technique.mixed_precision!r}: set one of them, or both alike"
-                )
-        if self.gradient_checkpointing and isinstance(technique, FSDPConfig):
-            # Under FSDP it is FSDP's own (accelerate refuses the Trainer's beside it).
-            if "activation_checkpointing" not in technique.model_fields_set:
-                technique.activation_checkpointing = True
-            elif not technique.activation_checkpointing:
-                raise ValueError(
-                    "gradient_checkpointing=true but technique.activation_checkpointing=false: "
-                    "under fsdp they are the same option; set one"
+                    f"gradient_checkpointing=true but technique.{option}=false: "
+                    f"under {technique.name} they are the same option; set one"
                 )
         known = sorted(p.stem for p in DATA_PRESETS_DIR.glob("*.yaml"))
         if _looks_like_a_file(self.dataset):
@@ -229,12 +242,16 @@ class SFTConfig(PipelineConfig):
         fields.pop("gpu_memory_gb", None)
         return fields
 
+    def chosen_technique(self) -> Technique | None:
+        """The technique, or None while `technique: auto` has yet to choose one."""
+        return None if isinstance(self.technique, AutoTechnique) else self.technique
+
     def compute_precision(self) -> Precision:
-        """bf16 or fp32: `precision`, else the technique's `mixed_precision`, else fp32."""
+        """bf16 or fp32: `precision`, else the technique's own (`mixed_precision`), else fp32."""
         if self.precision != "auto":
             return self.precision
-        own: Precision | None = getattr(self.technique, "mixed_precision", None)
-        return own or "fp32"
+        technique = self.chosen_technique()
+        return (technique.precision if technique else None) or "fp32"
 
     def weights_dtype(self) -> Precision:
         """The dtype the model's weights are loaded in.
@@ -243,14 +260,16 @@ class SFTConfig(PipelineConfig):
         upcasts the trained shards to fp32 master weights, DeepSpeed keeps fp32 master copies
         in its optimizer); otherwise fp32, so DDP's bf16 autocast has fp32 weights to update.
         """
-        sharded = isinstance(self.technique, FSDPConfig | DeepSpeedConfig)
+        technique = self.chosen_technique()
+        master = technique is not None and technique.keeps_master_weights
         bf16 = self.compute_precision() == "bf16"
-        return "bf16" if bf16 and (self.lora or sharded) else "fp32"
+        return "bf16" if bf16 and (self.lora or master) else "fp32"
 
     def activation_checkpointing(self) -> bool:
-        """Whether activations are recomputed: the Trainer's or FSDP's checkpointing."""
-        fsdp = isinstance(self.technique, FSDPConfig) and self.technique.activation_checkpointing
-        return self.gradient_checkpointing or fsdp
+        """Whether activations are recomputed: the Trainer's or the technique's own (FSDP's)."""
+        technique = self.chosen_technique()
+        own = technique is not None and technique.checkpoints_activations
+        return self.gradient_checkpointing or own
 
     def training_setup(self) -> TrainingSetup:
         """What the memory estimate needs to know about this run (`trainflow.memory`)."""
@@ -265,7 +284,7 @@ class SFTConfig(PipelineConfig):
             activation_checkpointing=self.activation_checkpointing(),
         )
 
-    def with_technique(self, technique: DDPConfig | FSDPConfig | DeepSpeedConfig) -> "SFTConfig":
+    def with_technique(self, technique: Technique) -> "SFTConfig":
         """This config with `technique` (validated again), as `technique: auto` resolves."""
         return SFTConfig.model_validate(self.model_dump() | {"technique": technique.model_dump()})
 

@@ -8,24 +8,41 @@ cheaply: `deepspeed_json` turns a `DeepSpeedConfig` into DeepSpeed's own JSON di
 Each technique also says which frameworks can run it (`framework_problem`): "torch" (our own
 loop, `Strategy.wrap`), "hf" (the Hugging Face Trainer through accelerate) and "lightning" (the
 Lightning Trainer). `check_framework` turns a refusal into a `FrameworkError` before launch.
+And each says what it keeps per GPU (`memory_per_gpu`, for `trainflow.memory`).
+
+The three are registered here (`trainflow.strategies.technique`); `TechniqueConfig` is the
+union of every technique registered when it is read.
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainflow.errors import FrameworkError
+from trainflow.strategies.footprint import Precision, Replica, States
+from trainflow.strategies.technique import (
+    FRAMEWORKS,
+    UNION_DESCRIPTION,
+    Technique,
+    check_framework,
+    register_technique,
+    technique_union,
+)
 
-Precision = Literal["fp32", "bf16"]
-
-# Framework name -> how messages name it.
-FRAMEWORKS: dict[str, str] = {
-    "torch": "trainflow's own loop",
-    "hf": "the Hugging Face Trainer",
-    "lightning": "the Lightning Trainer",
-}
+__all__ = [
+    "FRAMEWORKS",
+    "DDPConfig",
+    "DeepSpeedConfig",
+    "FSDPConfig",
+    "OptimizerConfig",
+    "Precision",
+    "Technique",
+    "TechniqueConfig",
+    "check_framework",
+    "deepspeed_json",
+]
 
 
 class OptimizerConfig(BaseModel):
@@ -39,38 +56,7 @@ class OptimizerConfig(BaseModel):
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
 
 
-class _Technique(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    def check_world_size(self, world_size: int) -> None:
-        """Raise `ValueError` if the technique cannot run on `world_size` ranks."""
-
-    def framework_problem(self, framework: str, *, device_type: str | None = None) -> str | None:
-        """Why this technique cannot run under `framework`, or None when it can.
-
-        Args:
-            framework: "torch", "hf" or "lightning".
-            device_type: "cuda" or "cpu" when known; None skips the checks that depend on it.
-        """
-        if framework not in FRAMEWORKS:
-            return f"unknown framework; known: {', '.join(FRAMEWORKS)}"
-        return self._framework_problem(framework, device_type)
-
-    def _framework_problem(self, framework: str, device_type: str | None) -> str | None:
-        return None
-
-    def describe(self) -> str:
-        """The name and the options that differ from their defaults: `fsdp (replicate_degree=2)`."""
-        changed = [
-            f"{key}={getattr(self, key)!r}"
-            for key, field in type(self).model_fields.items()
-            if key != "name" and getattr(self, key) != field.default
-        ]
-        name = getattr(self, "name", type(self).__name__)
-        return f"{name} ({', '.join(changed)})" if changed else name
-
-
-class DDPConfig(_Technique):
+class DDPConfig(Technique):
     """DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets."""
 
     name: Literal["ddp"] = Field(default="ddp", description="Technique name.")
@@ -81,13 +67,21 @@ class DDPConfig(_Technique):
         default=False, description="Allow parameters that get no gradient in a step (slower)."
     )
 
+    def memory_per_gpu(self, replica: Replica) -> States:
+        """A whole replica, plus the all-reduce buckets (4 bytes per trained parameter)."""
+        return replace(replica.states(), buffers=replica.trained * 4)
 
-class FSDPConfig(_Technique):
+
+class FSDPConfig(Technique):
     """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over ranks.
 
     Field names follow accelerate's FSDP2 plugin (`reshard_after_forward`,
     `activation_checkpointing`, `cpu_offload`), so the same config can drive a Trainer.
     """
+
+    precision_option: ClassVar[str | None] = "mixed_precision"
+    checkpointing_option: ClassVar[str | None] = "activation_checkpointing"
+    keeps_master_weights: ClassVar[bool] = True  # the fp32 shards
 
     name: Literal["fsdp"] = Field(default="fsdp", description="Technique name.")
     reshard_after_forward: bool = Field(
@@ -114,6 +108,16 @@ class FSDPConfig(_Technique):
         "ranks and replicate across groups; 1 shards over all ranks.",
     )
 
+    def memory_per_gpu(self, replica: Replica) -> States:
+        """Everything divided by the world size, plus the gathered units (the whole model
+        without resharding); offloaded states go to host RAM."""
+        w, whole = replica.world_size, replica.states()
+        params, grads, optimizer = whole.params / w, whole.grads / w, whole.optimizer / w
+        buffers = replica.layer_units if self.reshard_after_forward else replica.whole_model
+        if self.cpu_offload:
+            return States(0.0, 0.0, 0.0, buffers, host=params + grads + optimizer)
+        return States(params, grads, optimizer, buffers)
+
     def check_world_size(self, world_size: int) -> None:
         """Raise if the ranks cannot be split into `replicate_degree` equal groups."""
         if world_size % self.replicate_degree:
@@ -135,8 +139,11 @@ class FSDPConfig(_Technique):
         return None
 
 
-class DeepSpeedConfig(_Technique):
+class DeepSpeedConfig(Technique):
     """DeepSpeed ZeRO: stage 1 shards optimizer state, 2 adds gradients, 3 adds parameters."""
+
+    precision_option: ClassVar[str | None] = "mixed_precision"
+    keeps_master_weights: ClassVar[bool] = True  # fp32 copies in its optimizer
 
     name: Literal["deepspeed"] = Field(default="deepspeed", description="Technique name.")
     zero_stage: Literal[1, 2, 3] = Field(default=2, description="ZeRO stage: 1, 2 or 3.")
@@ -173,40 +180,49 @@ class DeepSpeedConfig(_Technique):
             _read_json_object(self.config_file)
         return self
 
+    def memory_per_gpu(self, replica: Replica) -> States:
+        """ZeRO-1 divides the optimizer states by the world size, 2 also the grads, 3 also the
+        params (and gathers units); bf16 keeps 16-bit params and grads beside fp32 master
+        weights and moments (2 + 2 + 12 bytes)."""
+        w, stage = replica.world_size, self.zero_stage
+        whole = replica.states(2, 2, 12) if replica.precision == "bf16" else replica.states()
+        params, grads, optimizer = whole.params, whole.grads, whole.optimizer / w
+        buffers, host = 0.0, 0.0
+        if stage >= 2:
+            grads /= w
+        if stage == 3:
+            params /= w
+            buffers = replica.layer_units
+        if self.offload_optimizer:
+            host += optimizer
+            optimizer = 0.0
+        if self.offload_param:
+            host += params
+            params = 0.0
+        return States(params, grads, optimizer, buffers, host)
+
     def _framework_problem(self, framework: str, device_type: str | None) -> str | None:
         if framework == "lightning" and device_type not in (None, "cuda"):
             return f"Lightning's DeepSpeedStrategy runs on CUDA GPUs only, not on {device_type}"
         return None
 
 
-TechniqueConfig = Annotated[
-    DDPConfig | FSDPConfig | DeepSpeedConfig,
-    Field(discriminator="name", description="Parallelism technique and its options."),
-]
+register_technique(DDPConfig, "trainflow.strategies.ddp:DDPStrategy")
+register_technique(FSDPConfig, "trainflow.strategies.fsdp:FSDPStrategy")
+register_technique(DeepSpeedConfig, "trainflow.strategies.deepspeed:DeepSpeedStrategy")
 
+if TYPE_CHECKING:
+    TechniqueConfig = Annotated[
+        DDPConfig | FSDPConfig | DeepSpeedConfig,
+        Field(discriminator="name", description=UNION_DESCRIPTION),
+    ]
+else:
 
-def check_framework(
-    technique: DDPConfig | FSDPConfig | DeepSpeedConfig,
-    framework: str,
-    *,
-    device_type: str | None = None,
-) -> None:
-    """Fail, before any rank starts, if `framework` cannot run `technique`.
-
-    Args:
-        technique: The technique config.
-        framework: "torch" (our loop), "hf" (Hugging Face Trainer) or "lightning".
-        device_type: "cuda" or "cpu" when known; None skips the checks that depend on it.
-
-    Raises:
-        FrameworkError: naming the technique (with its changed options), the framework and why.
-    """
-    problem = technique.framework_problem(framework, device_type=device_type)
-    if problem is not None:
-        where = FRAMEWORKS.get(framework, f"framework {framework!r}")
-        raise FrameworkError(
-            f"technique {technique.describe()} cannot run under {where}: {problem}"
-        )
+    def __getattr__(name: str) -> Any:
+        # Read at each import: the union of the techniques registered by then.
+        if name == "TechniqueConfig":
+            return technique_union()
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _read_json_object(path: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from trainflow.resources import Resources
-from trainflow.strategies.config import TechniqueConfig, check_framework
+from trainflow.strategies.config import Technique, check_framework
 
 __all__ = [
     "RankEvaluation",
@@ -178,9 +178,7 @@ def local_path(uri: str) -> Path:
     return Path(uri.removeprefix("file://"))
 
 
-def check_before_launch(
-    workload: Workload, technique: TechniqueConfig, resources: Resources
-) -> None:
+def check_before_launch(workload: Workload, technique: Technique, resources: Resources) -> None:
     """Fail in the caller, before any rank starts, if the technique cannot train the workload.
 
     A workload `checked_ahead` (by a launch agent, on the same model and technique) is not
@@ -200,7 +198,7 @@ def check_before_launch(
 
 def check_technique(
     build_model: Callable[[], Any],
-    technique: TechniqueConfig,
+    technique: Technique,
     resources: Resources,
     framework: str,
     *,
@@ -226,7 +224,7 @@ def check_technique(
     build_strategy(technique).check_model(model)
 
 
-def run_on_rank(workload: Workload, technique: TechniqueConfig) -> Any:
+def run_on_rank(workload: Workload, technique: Technique) -> Any:
     """Rank entry point: open the process group, build the strategy, run the workload."""
     from trainflow import runtime
     from trainflow.strategies import build_strategy
