@@ -4,8 +4,9 @@ A strategy wraps a model and builds its optimizer, runs backward and the optimiz
 place DeepSpeed's engine needs), saves and loads checkpoints, and exports one consolidated
 `nn.Module` state dict for registration. The train loop talks only to this interface.
 
-A strategy also expresses itself to the frameworks that own their own loop, so a workload
-never branches on technique:
+A strategy also declares its settings for the frameworks that own their own loop, one method
+per framework (`hf_settings`, `lightning_settings`); the adapters in
+`trainflow.strategies.frameworks` apply them, so a workload never branches on technique:
 
     batches = {"micro_batch_size": 8, "grad_accum_steps": 1, "optimizer": OptimizerConfig()}
     args = strategy.hf_trainer_args(**batches, layer_classes=["LlamaDecoderLayer"])
@@ -13,9 +14,6 @@ never branches on technique:
     strategy.prepare_hf_trainer(trainer)
 
     lightning.Trainer(strategy=strategy.lightning_strategy(**batches), ...)
-
-Both run inside ranks the launcher started: they read the torchelastic environment and the
-process group already open, and start no process of their own.
 """
 
 import contextlib
@@ -37,7 +35,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainflow import checkpoint, runtime
-from trainflow.strategies.config import OptimizerConfig, check_framework
+from trainflow.errors import FrameworkError
+from trainflow.strategies import frameworks
+from trainflow.strategies.config import FRAMEWORKS, OptimizerConfig
+from trainflow.strategies.frameworks import Batches, HFSettings
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy
@@ -137,10 +138,8 @@ class Strategy(ABC):
         layer_classes: list[str],
         device_type: str | None = None,
     ) -> dict[str, Any]:
-        """Hugging Face `TrainingArguments` settings that apply this technique.
-
-        FSDP also sets accelerate's `FSDP_*` environment variables, which transformers does
-        not pass on itself; DeepSpeed on CPU stops DeepSpeed probing for compiled ops.
+        """Hugging Face `TrainingArguments` settings that apply this technique
+        (`frameworks.hf_trainer_args`).
 
         Args:
             micro_batch_size: Samples per rank per micro-batch (DeepSpeed's JSON repeats it).
@@ -152,29 +151,16 @@ class Strategy(ABC):
         Raises:
             FrameworkError: the Hugging Face Trainer cannot run this technique.
         """
-        device_type = device_type or self.device.type
-        check_framework(self.config, "hf", device_type=device_type)
-        args: dict[str, Any] = {"use_cpu": device_type != "cuda"}
-        if runtime.get_world_size() > 1:
-            args["ddp_backend"] = runtime.backend_for(device_type)
-        return args | self._hf_technique_args(
-            micro_batch_size=micro_batch_size,
-            grad_accum_steps=grad_accum_steps,
-            optimizer=optimizer,
-            layer_classes=layer_classes,
-            device_type=device_type,
+        batches = Batches(micro_batch_size, grad_accum_steps, optimizer)
+        return frameworks.hf_trainer_args(
+            self, batches, layer_classes=layer_classes, device_type=device_type or self.device.type
         )
 
-    @abstractmethod
-    def _hf_technique_args(
-        self,
-        *,
-        micro_batch_size: int,
-        grad_accum_steps: int,
-        optimizer: OptimizerConfig,
-        layer_classes: list[str],
-        device_type: str,
-    ) -> dict[str, Any]: ...
+    def hf_settings(
+        self, batches: Batches, *, layer_classes: list[str], device_type: str
+    ) -> HFSettings:
+        """This technique's own `TrainingArguments` settings and environment (none: refused)."""
+        raise FrameworkError(f"technique {self.name} has no settings for {FRAMEWORKS['hf']}")
 
     def prepare_hf_trainer(self, trainer: Any) -> None:  # noqa: B027 - optional hook
         """Adjust a Hugging Face Trainer built from `hf_trainer_args`, before `train()`."""
@@ -182,7 +168,8 @@ class Strategy(ABC):
     def lightning_strategy(
         self, *, micro_batch_size: int, grad_accum_steps: int, optimizer: OptimizerConfig
     ) -> "ParallelStrategy":
-        """The Lightning `Strategy` that applies this technique inside the launched ranks.
+        """The Lightning `Strategy` that applies this technique inside the launched ranks
+        (`frameworks.lightning_strategy`).
 
         It uses the torchelastic environment the launcher set up (`TorchElasticEnvironment`),
         so Lightning starts no processes and reuses an open process group. Give the Lightning
@@ -198,23 +185,12 @@ class Strategy(ABC):
         Raises:
             FrameworkError: Lightning cannot run this technique (on this device).
         """
-        check_framework(self.config, "lightning", device_type=self.device.type)
-        from lightning.pytorch.plugins.environments import TorchElasticEnvironment
+        batches = Batches(micro_batch_size, grad_accum_steps, optimizer)
+        return frameworks.lightning_strategy(self, batches)
 
-        strategy = self._lightning_strategy(
-            micro_batch_size=micro_batch_size,
-            grad_accum_steps=grad_accum_steps,
-            optimizer=optimizer,
-        )
-        # ModelParallelStrategy takes no environment argument; every parallel strategy has the
-        # attribute, and the Trainer keeps one already set.
-        strategy.cluster_environment = TorchElasticEnvironment()
-        return strategy
-
-    @abstractmethod
-    def _lightning_strategy(
-        self, *, micro_batch_size: int, grad_accum_steps: int, optimizer: OptimizerConfig
-    ) -> "ParallelStrategy": ...
+    def lightning_settings(self, batches: Batches) -> "ParallelStrategy":
+        """This technique's own Lightning strategy object (none: refused)."""
+        raise FrameworkError(f"technique {self.name} has no settings for {FRAMEWORKS['lightning']}")
 
     def prepare_lightning_model(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Apply what Lightning's strategy leaves to the model, in place; safe to call again.

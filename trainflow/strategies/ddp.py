@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainflow import runtime
 from trainflow.strategies.base import TorchStrategy, adamw
 from trainflow.strategies.config import DDPConfig, OptimizerConfig
+from trainflow.strategies.frameworks import Batches, HFSettings
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy
@@ -39,24 +40,18 @@ class DDPStrategy(TorchStrategy):
         self.optimizer = adamw(self.model.parameters(), optimizer)
         return self.model, self.optimizer
 
-    def _hf_technique_args(
-        self,
-        *,
-        micro_batch_size: int,
-        grad_accum_steps: int,
-        optimizer: OptimizerConfig,
-        layer_classes: list[str],
-        device_type: str,
-    ) -> dict[str, Any]:
-        return {
-            # The Trainer takes whole MiB.
-            "ddp_bucket_cap_mb": max(1, round(self.config.bucket_cap_mb)),
-            "ddp_find_unused_parameters": self.config.find_unused_parameters,
-        }
+    def hf_settings(
+        self, batches: Batches, *, layer_classes: list[str], device_type: str
+    ) -> HFSettings:
+        return HFSettings(
+            {
+                # The Trainer takes whole MiB.
+                "ddp_bucket_cap_mb": max(1, round(self.config.bucket_cap_mb)),
+                "ddp_find_unused_parameters": self.config.find_unused_parameters,
+            }
+        )
 
-    def _lightning_strategy(
-        self, *, micro_batch_size: int, grad_accum_steps: int, optimizer: OptimizerConfig
-    ) -> "ParallelStrategy":
+    def lightning_settings(self, batches: Batches) -> "ParallelStrategy":
         from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
         # Extra keywords go to DistributedDataParallel, as in `wrap`.

@@ -23,6 +23,7 @@ from trainflow import runtime
 from trainflow.compat.deepspeed import no_compiled_ops
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.config import DeepSpeedConfig, OptimizerConfig, deepspeed_json
+from trainflow.strategies.frameworks import Batches, HFSettings
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy
@@ -93,52 +94,41 @@ class DeepSpeedStrategy(Strategy):
 
         logger.setLevel(logging.WARNING)
         prepare_compiled_ops(self.device.type)
-        ds_config = self._json(micro_batch_size, grad_accum_steps, optimizer, self.device.type)
+        batches = Batches(micro_batch_size, grad_accum_steps, optimizer)
+        ds_config = self._json(batches, self.device.type)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config
         )
         self.model, self.optimizer = engine, ds_optimizer
         return engine, ds_optimizer
 
-    def _json(
-        self,
-        micro_batch_size: int,
-        grad_accum_steps: int,
-        optimizer: OptimizerConfig,
-        device_type: str,
-    ) -> dict[str, Any]:
+    def _json(self, batches: Batches, device_type: str) -> dict[str, Any]:
         return deepspeed_json(
             self.config,
-            micro_batch_size=micro_batch_size,
-            grad_accum_steps=grad_accum_steps,
+            micro_batch_size=batches.micro_batch_size,
+            grad_accum_steps=batches.grad_accum_steps,
             world_size=runtime.get_world_size(),
-            optimizer=optimizer,
+            optimizer=batches.optimizer,
             device_type=device_type,
         )
 
-    def _hf_technique_args(
-        self,
-        *,
-        micro_batch_size: int,
-        grad_accum_steps: int,
-        optimizer: OptimizerConfig,
-        layer_classes: list[str],
-        device_type: str,
-    ) -> dict[str, Any]:
+    def hf_settings(
+        self, batches: Batches, *, layer_classes: list[str], device_type: str
+    ) -> HFSettings:
         prepare_compiled_ops(device_type)
-        return {
-            "deepspeed": self._json(micro_batch_size, grad_accum_steps, optimizer, device_type),
-            "bf16": self.config.mixed_precision == "bf16",
-        }
+        return HFSettings(
+            {
+                "deepspeed": self._json(batches, device_type),
+                "bf16": self.config.mixed_precision == "bf16",
+            }
+        )
 
-    def _lightning_strategy(
-        self, *, micro_batch_size: int, grad_accum_steps: int, optimizer: OptimizerConfig
-    ) -> "ParallelStrategy":
+    def lightning_settings(self, batches: Batches) -> "ParallelStrategy":
         from lightning.pytorch.plugins.precision import DeepSpeedPrecision
         from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
         prepare_compiled_ops(self.device.type)
-        config = self._json(micro_batch_size, grad_accum_steps, optimizer, self.device.type)
+        config = self._json(batches, self.device.type)
         # Lightning sets this from Trainer(accumulate_grad_batches=...) and refuses it in the
         # JSON; DeepSpeed still checks train_batch_size, so a Trainer that disagrees fails.
         del config["gradient_accumulation_steps"]

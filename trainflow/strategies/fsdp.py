@@ -7,7 +7,6 @@ calls `prepare_lightning_model`, which applies the same sharding as `wrap`.
 """
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -27,6 +26,7 @@ from trainflow import runtime
 from trainflow.compat.transformers import shard_with_fsdp2_on_cpu
 from trainflow.strategies.base import TorchStrategy, adamw, find_blocks
 from trainflow.strategies.config import FSDPConfig, OptimizerConfig
+from trainflow.strategies.frameworks import Batches, HFSettings
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy
@@ -97,35 +97,34 @@ class FSDPStrategy(TorchStrategy):
         fully_shard(model, **options)
         return model
 
-    def _hf_technique_args(
-        self,
-        *,
-        micro_batch_size: int,
-        grad_accum_steps: int,
-        optimizer: OptimizerConfig,
-        layer_classes: list[str],
-        device_type: str,
-    ) -> dict[str, Any]:
+    def hf_settings(
+        self, batches: Batches, *, layer_classes: list[str], device_type: str
+    ) -> HFSettings:
         # transformers 5 hands accelerate the FSDP plugin's settings from `fsdp_config`;
         # transformers 4 passed them through the environment, set too for the frameworks'
-        # environments still on it. FSDP version 2 is fully_shard.
-        os.environ["FSDP_VERSION"] = "2"
-        os.environ["FSDP_RESHARD_AFTER_FORWARD"] = str(self.config.reshard_after_forward).lower()
-        # Checkpoints are sharded (DCP, every rank writes and reads its own part): accelerate's
-        # full-state-dict load has only rank 0 join the broadcast under FSDP2. The trained model
-        # is exported by gathering its shards (`gather_full_state_dict`), not by `save_model`.
-        os.environ["FSDP_STATE_DICT_TYPE"] = "SHARDED_STATE_DICT"
-        return {
-            "fsdp": "full_shard auto_wrap" + (" offload" if self.config.cpu_offload else ""),
-            "fsdp_config": {
-                "version": 2,
-                "transformer_layer_cls_to_wrap": layer_classes,
-                "activation_checkpointing": self.config.activation_checkpointing,
-                "reshard_after_forward": self.config.reshard_after_forward,
-                "state_dict_type": "SHARDED_STATE_DICT",
+        # environments still on it. FSDP version 2 is fully_shard. Checkpoints are sharded
+        # (DCP, every rank writes and reads its own part): accelerate's full-state-dict load
+        # has only rank 0 join the broadcast under FSDP2. The trained model is exported by
+        # gathering its shards (`gather_full_state_dict`), not by `save_model`.
+        reshard = self.config.reshard_after_forward
+        return HFSettings(
+            args={
+                "fsdp": "full_shard auto_wrap" + (" offload" if self.config.cpu_offload else ""),
+                "fsdp_config": {
+                    "version": 2,
+                    "transformer_layer_cls_to_wrap": layer_classes,
+                    "activation_checkpointing": self.config.activation_checkpointing,
+                    "reshard_after_forward": reshard,
+                    "state_dict_type": "SHARDED_STATE_DICT",
+                },
+                "bf16": self.config.mixed_precision == "bf16",
             },
-            "bf16": self.config.mixed_precision == "bf16",
-        }
+            environ={
+                "FSDP_VERSION": "2",
+                "FSDP_RESHARD_AFTER_FORWARD": str(reshard).lower(),
+                "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+            },
+        )
 
     def prepare_hf_trainer(self, trainer: Any) -> None:
         """Let accelerate shard with FSDP2 on CPU ranks (gloo), as the GPU path does."""
@@ -137,9 +136,7 @@ class FSDPStrategy(TorchStrategy):
         if not isinstance(model, FSDPModule):
             self.shard(model)
 
-    def _lightning_strategy(
-        self, *, micro_batch_size: int, grad_accum_steps: int, optimizer: OptimizerConfig
-    ) -> "ParallelStrategy":
+    def lightning_settings(self, batches: Batches) -> "ParallelStrategy":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         # Data parallel over all ranks: Lightning's default makes the ranks of a node
