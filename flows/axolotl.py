@@ -7,6 +7,7 @@ instruction data, 2 CPU ranks, a few minutes. `axolotl-olmo3-7b.yaml` is the Olm
 for 2 nodes of 8 H100s.
 
     python -m flows.axolotl
+    python -m flows.axolotl --resume RUN_ID        # continue a stopped run (trains again)
     python -m flows.axolotl trainflow/presets/frameworks/axolotl-olmo3-7b.yaml \\
         --model allenai/Olmo-3-1025-7B --gpus 16 --nnodes 2 --gpu-type H100 --max-steps 1000
 
@@ -22,17 +23,14 @@ from prefect import flow
 
 from flows import frameworks
 from flows.skeleton import DatasetResult
-from trainflow.configs.frameworks import FRAMEWORKS, PRESETS_DIR, FrameworkConfig
+from trainflow.configs.frameworks import FRAMEWORKS, FrameworkConfig
 
 AXOLOTL = FRAMEWORKS["axolotl"]
 
 
 @flow(name="axolotl", log_prints=True)
 def axolotl(
-    config: FrameworkConfig = FrameworkConfig(
-        framework_config=str(PRESETS_DIR / AXOLOTL.tiny_config),
-        registered_model_name="axolotl-sft",
-    ),
+    config: FrameworkConfig = frameworks.default_config(AXOLOTL),
 ) -> DatasetResult:
     """Train with Axolotl on our ranks, evaluate on the held-out split, register in MLflow."""
     return frameworks.run_framework(AXOLOTL, config)

@@ -23,17 +23,14 @@ from prefect import flow
 
 from flows import frameworks
 from flows.skeleton import DatasetResult
-from trainflow.configs.frameworks import FRAMEWORKS, PRESETS_DIR, FrameworkConfig
+from trainflow.configs.frameworks import FRAMEWORKS, FrameworkConfig
 
 LLM_FOUNDRY = FRAMEWORKS["llm-foundry"]
 
 
 @flow(name="llm_foundry", log_prints=True)
 def llm_foundry(
-    config: FrameworkConfig = FrameworkConfig(
-        framework_config=str(PRESETS_DIR / LLM_FOUNDRY.tiny_config),
-        registered_model_name="llm-foundry-sft",
-    ),
+    config: FrameworkConfig = frameworks.default_config(LLM_FOUNDRY),
 ) -> DatasetResult:
     """Train with LLM Foundry on our ranks, evaluate on the held-out split, register in MLflow."""
     return frameworks.run_framework(LLM_FOUNDRY, config)

@@ -20,17 +20,14 @@ from prefect import flow
 
 from flows import frameworks
 from flows.skeleton import DatasetResult
-from trainflow.configs.frameworks import FRAMEWORKS, PRESETS_DIR, FrameworkConfig
+from trainflow.configs.frameworks import FRAMEWORKS, FrameworkConfig
 
 UNSLOTH = FRAMEWORKS["unsloth"]
 
 
 @flow(name="unsloth", log_prints=True)
 def unsloth(
-    config: FrameworkConfig = FrameworkConfig(
-        framework_config=str(PRESETS_DIR / UNSLOTH.tiny_config),
-        registered_model_name="unsloth-sft",
-    ),
+    config: FrameworkConfig = frameworks.default_config(UNSLOTH),
 ) -> DatasetResult:
     """Train with Unsloth on our ranks, evaluate on the held-out split, register in MLflow."""
     return frameworks.run_framework(UNSLOTH, config)

@@ -12,9 +12,10 @@ import pytest
 
 from flows import axolotl, llm_foundry, unsloth
 from tests.conftest import REPO_ROOT
+from tests.flows.test_mlp_flow import flow_run_artifacts
 from trainflow import tracking
 from trainflow.configs.frameworks import FRAMEWORKS
-from trainflow.paths import trainflow_home
+from trainflow.paths import run_output_dir, trainflow_home
 
 pytestmark = pytest.mark.slow
 
@@ -64,3 +65,11 @@ def test_framework_trains_on_two_ranks_and_the_model_is_registered(
     (launch,) = (trainflow_home() / "runs").iterdir()
     spec = json.loads((launch / "spec.json").read_text())
     assert spec["python"] == env_python and str(REPO_ROOT) in env_python
+    # Rank 0 reported every step through the framework's own callbacks: the progress file
+    # the pipeline follows, and its artifact, at 100%.
+    out = run_output_dir(pipeline.__name__.removeprefix("flows."), result.mlflow_run_id)
+    assert json.loads((out / tracking.PROGRESS_FILE).read_text()) == {"step": 8, "max_steps": 8}
+    artifacts = flow_run_artifacts(result.prefect_flow_run_id)
+    assert artifacts[f"{name}-progress"].data == 100.0
+    assert f"{name}-summary" in artifacts
+    assert any(k.startswith("framework_settings.") for k in run.data.params)  # its own file

@@ -11,18 +11,32 @@ registered.
 The pipeline fills in what it owns in the framework's config (`Framework.overrides`): the base
 model, the prepared data, the output folder and, when given, the number of steps. Everything
 else (learning rate, LoRA, precision, FSDP or DeepSpeed settings) is the framework's file.
+
+The pipeline is the skeleton every pipeline is made of (`flows/skeleton.py`): a `Framework` is
+its workload (`PipelineWorkload`) and stands where a technique would (`FrameworkConfig.technique`);
+`FrameworkConfig` has what the skeleton reads (`SkeletonConfig`).
 """
 
+import dataclasses
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from trainflow.configs.base import PipelineConfig
 from trainflow.configs.sft import EvaluationSettings, SFTConfig
 from trainflow.data import DataConfig
+from trainflow.gate import Threshold
+from trainflow.launch.spec import LaunchOptions
 from trainflow.paths import SafeName
 from trainflow.resources import Resources
+
+FrameworkName = Literal["axolotl", "llm-foundry", "unsloth"]
+# The main environment's side of a framework run: its evaluation and registration.
+PIPELINE_HOOKS = "trainflow.frameworks.pipeline"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets" / "frameworks"
@@ -33,7 +47,7 @@ ENVS_DIR = REPO_ROOT / ".venvs"
 class Framework:
     """A training framework launched its own way, and what the pipeline gives it."""
 
-    name: str  # the environment's name: .venvs/NAME, scripts/frameworks/NAME.txt
+    name: FrameworkName  # the environment's name: .venvs/NAME, scripts/frameworks/NAME.txt
     title: str
     module: str  # rank side: `train(config_path, overrides) -> dict` on every rank
     data_format: Literal["jsonl", "mds"]  # how it reads the prepared data
@@ -51,10 +65,42 @@ class Framework:
     def setup_command(self) -> str:
         return f"bash scripts/setup-framework.sh {self.name}"
 
-    def rank_module(self) -> Any:
-        import importlib
+    @property
+    def workload(self) -> "FrameworkWorkload":
+        return FrameworkWorkload(self)
 
+    def rank_module(self) -> Any:
         return importlib.import_module(self.module)
+
+
+@dataclass(frozen=True)
+class FrameworkWorkload:
+    """A framework's pipeline as the skeleton's workload (`flows.skeleton.PipelineWorkload`):
+    named after its flow (its outputs folder, artifact keys, `--resume` hint), evaluated and
+    registered by `trainflow.frameworks.pipeline`.
+
+    Every finished run is registered; the alias moves to it only past the gate.
+    """
+
+    framework: Framework
+    alias: str = "champion"
+
+    @property
+    def name(self) -> str:
+        return self.framework.flow_module.removeprefix("flows.")
+
+    @property
+    def title(self) -> str:
+        return self.framework.title
+
+    @property
+    def module(self) -> str:
+        """The rank side: what the launch's agent imports ahead (standard library only)."""
+        return self.framework.module
+
+    def load(self) -> ModuleType:
+        """The module the skeleton evaluates and registers with (`WorkloadHooks`)."""
+        return importlib.import_module(PIPELINE_HOOKS)
 
 
 FRAMEWORKS: dict[str, Framework] = {
@@ -89,8 +135,17 @@ FRAMEWORKS: dict[str, Framework] = {
 
 
 class FrameworkConfig(Resources):
-    """One framework training run: its own config file, and what the pipeline fills in."""
+    """One framework training run: its own config file, and what the pipeline fills in.
 
+    Not a `PipelineConfig`: the framework's file decides its checkpoints, so there is no
+    `--checkpoint-every`, and `--resume` continues the MLflow run but trains from the start.
+    """
+
+    framework: FrameworkName | None = Field(
+        default=None,
+        description="The framework that trains; none: the flow's own (each flow sets its own "
+        "and refuses another).",
+    )
     framework_config: str = Field(
         description="The framework's own config file (its YAML, as its users write it); the "
         "first positional argument."
@@ -145,11 +200,62 @@ class FrameworkConfig(Resources):
         default="cpu",
         description='GPU type such as "H100"; "cpu" forces CPU ranks; empty: what exists.',
     )
+    resume: SafeName | None = Field(
+        default=None,
+        description="MLflow run id of a crashed, killed or failed run of this pipeline: continue "
+        "it, in the same MLflow run, with its own config. The framework cannot continue from a "
+        "checkpoint of ours: it trains again from the start.",
+    )
+    parent_run_id: SafeName | None = Field(
+        default=None, description=PipelineConfig.model_fields["parent_run_id"].description
+    )
+    gpu_pool: str | None = Field(
+        default=None, description=PipelineConfig.model_fields["gpu_pool"].description
+    )
 
     @field_validator("framework_config")
     @classmethod
     def _config_file(cls, value: str) -> str:
         return str(find_framework_config(value))
+
+    def for_framework(self, framework: Framework) -> "FrameworkConfig":
+        """This config, trained by `framework` (the flow's own).
+
+        Raises:
+            ValueError: it names another framework.
+        """
+        if self.framework not in (None, framework.name):
+            raise ValueError(
+                f"framework: {self.framework!r} given to the {framework.name} pipeline; run "
+                f"python -m {FRAMEWORKS[self.framework].flow_module} instead"
+            )
+        return self.model_copy(update={"framework": framework.name})
+
+    @property
+    def technique(self) -> Framework:
+        """What trains the model, where the other pipelines have a technique: the framework."""
+        if self.framework is None:
+            raise ValueError("no framework yet: call FrameworkConfig.for_framework(framework)")
+        return FRAMEWORKS[self.framework]
+
+    def gate(self) -> list[Threshold]:
+        """The champion alias goes only to a model that passes `evaluation`'s thresholds."""
+        return self.evaluation.thresholds()
+
+    def training_fields(self) -> dict[str, Any]:
+        """The options that decide what is trained: a resumed run must have these equal to
+        the run it continues. Placement, recovery, nesting and the environment may change."""
+        keep = set(type(self).model_fields) - set(Resources.model_fields)
+        keep -= {"resume", "parent_run_id", "gpu_pool", "python"}
+        return self.model_dump(include=keep)
+
+    def launch_options(self, stop_file: str | None = None) -> LaunchOptions:
+        """The launcher's options (`Resources.launch_options`), the ranks on the framework
+        environment's interpreter once the framework is known."""
+        options = super().launch_options(stop_file)
+        if self.framework is None:
+            return options
+        return dataclasses.replace(options, python=str(self.interpreter(self.technique)))
 
     def resolved(self, framework: Framework) -> "FrameworkConfig":
         """With `model` and `max_length` taken from the framework's config file when not given.

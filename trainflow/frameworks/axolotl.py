@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from trainflow.frameworks import progress
+
 #: Override keys handled here rather than copied into the config as they are.
 DATASET_PATH_KEY = "dataset_path"
 #: File, written into output_dir, holding the config axolotl actually ran (overrides applied).
@@ -215,7 +217,9 @@ def _finite(value: Any) -> float | None:
     return None
 
 
-def train(config_path: str, overrides: dict | None = None) -> dict:
+def train(
+    config_path: str, overrides: dict | None = None, progress_file: str | None = None
+) -> dict:
     """Run axolotl's training on this rank and return a small JSON-able summary.
 
     Args:
@@ -224,6 +228,8 @@ def train(config_path: str, overrides: dict | None = None) -> dict:
             ``base_model``, ``tokenizer_config``, ``dataset_path``, ``output_dir``,
             ``dataset_prepared_path``, ``max_steps``, ``micro_batch_size``, ``learning_rate``,
             ``seed``, ``sequence_len``, ``logging_steps``.
+        progress_file: Where rank 0 writes its progress each step (through our plugin,
+            `trainflow.frameworks.progress`); every rank also records heartbeats.
 
     Returns:
         The same summary on every rank (the trainer all-reduces the logged loss):
@@ -250,6 +256,9 @@ def train(config_path: str, overrides: dict | None = None) -> dict:
         # axolotl's default is ./last_run_prepared in the working directory.
         cfg_dict["dataset_prepared_path"] = str(output_dir.parent / "axolotl_prepared")
 
+    # Our plugin reports each step: heartbeats on every rank, progress on rank 0.
+    cfg_dict["plugins"] = [*(cfg_dict.get("plugins") or []), progress.AXOLOTL_PLUGIN]
+    progress.report_axolotl_to(progress_file)
     _default_env(cfg_dict)
     resolved = _write_resolved(cfg_dict, output_dir, rank)
 

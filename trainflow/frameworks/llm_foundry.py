@@ -41,6 +41,8 @@ import tempfile
 import time
 from typing import Any
 
+from trainflow.frameworks import progress
+
 # Override shorthands that set the YAML's `variables:` entry of the same name.
 _VARIABLES = ("model_path", "save_folder", "max_seq_len")
 # Column sets foundry's `finetuning` and `text` dataloaders read from MDS (one must be present).
@@ -212,7 +214,9 @@ def _loss_history(trainer: Any) -> list[list[float]]:
     return []
 
 
-def train(config_path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def train(
+    config_path: str, overrides: dict[str, Any] | None = None, progress_file: str | None = None
+) -> dict[str, Any]:
     """Run LLM Foundry's training on this rank, configured by a foundry YAML plus `overrides`.
 
     The YAML is loaded as foundry's `train_from_yaml` loads it (OmegaConf, `oc.env` resolver
@@ -225,6 +229,8 @@ def train(config_path: str, overrides: dict[str, Any] | None = None) -> dict[str
         config_path: Path of the foundry YAML.
         overrides: Values to set over it (model_path, data_path, save_folder, max_duration, or
             any config path).
+        progress_file: Where rank 0 writes its progress each batch (a Composer callback,
+            `trainflow.frameworks.progress`); every rank also records heartbeats.
 
     Returns:
         JSON-able facts of the run on this rank: `hf_model_dir` = `model_dir` (the final
@@ -257,6 +263,8 @@ def train(config_path: str, overrides: dict[str, Any] | None = None) -> dict[str
     assert isinstance(cfg, DictConfig)
     if OmegaConf.select(cfg, "loggers.inmemory", default=None) is None:
         OmegaConf.update(cfg, "loggers.inmemory", {}, merge=True)  # for the loss history
+    reporter = {"progress_file": progress_file}
+    OmegaConf.update(cfg, f"callbacks.{progress.foundry_callback()}", reporter, merge=True)
     _check_columns(cfg)
 
     started = time.monotonic()

@@ -40,6 +40,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from trainflow.frameworks import progress
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESETS = REPO_ROOT / "trainflow" / "presets" / "frameworks"
 TINY_CONFIG = PRESETS / "unsloth-tiny.yaml"
@@ -305,13 +307,15 @@ def _default_env(config: dict) -> None:
 # ------------------------------------------------------------------ the rank function
 
 
-def train(config_path: str, overrides: dict) -> dict:
+def train(config_path: str, overrides: dict, progress_file: str | None = None) -> dict:
     """Fine-tune with Unsloth on this rank; global rank 0 saves the model.
 
     Args:
         config_path: An Unsloth YAML config (trainflow/presets/frameworks/unsloth-*.yaml).
         overrides: See `apply_overrides`; the pipeline's are `pipeline_overrides`
             (model_name, tokenizer_name, dataset, output_dir, max_steps, max_seq_length).
+        progress_file: Where rank 0 writes its progress each step; every rank also records
+            heartbeats (`trainflow.frameworks.progress`).
 
     Raises RuntimeError("Unsloth needs a CUDA GPU: ...") before loading anything when
     `check_can_train` gives a reason. Returns, the same on every rank:
@@ -446,6 +450,7 @@ def train(config_path: str, overrides: dict) -> dict:
             response_part=parts["response_part"],
         )
 
+    trainer.add_callback(progress.trainer_callback(progress_file))
     result = trainer.train()
     state = trainer.state
     history = [
