@@ -106,6 +106,7 @@ def test_the_sft_command_starts_its_agent_before_it_imports_prefect():
         "import sys, runpy, trainflow.cli as cli\n"
         "def spy(*args): print('PREFECT_LOADED', 'prefect' in sys.modules); raise SystemExit(0)\n"
         "cli.start_ahead = spy\n"
+        "sys.orig_argv = [sys.executable, '-m', 'flows.sft', '--max-steps', '3']\n"
         "sys.argv = ['flows/sft.py', '--max-steps', '3']\n"
         "runpy.run_module('flows.sft', run_name='__main__')\n"
     )
