@@ -17,31 +17,30 @@ config; the rest is the file's.
 See docs/frameworks.md for what is tested where.
 """
 
-import sys
-
 from prefect import flow
 
-from flows import frameworks
+from flows import command, frameworks
 from flows.skeleton import DatasetResult
+from tasks.plan import plan_run
 from trainflow.configs.frameworks import FRAMEWORKS, FrameworkConfig
+from trainflow.pipelines import PIPELINES
 
-AXOLOTL = FRAMEWORKS["axolotl"]
+AXOLOTL = PIPELINES["axolotl"]
 
 
 @flow(name="axolotl", log_prints=True)
 def axolotl(
-    config: FrameworkConfig = frameworks.default_config(AXOLOTL),
-) -> DatasetResult:
+    config: FrameworkConfig = AXOLOTL.defaults(), dry_run: bool = False
+) -> DatasetResult | None:
     """Train with Axolotl on our ranks, evaluate on the held-out split, register in MLflow."""
-    return frameworks.run_framework(AXOLOTL, config)
+    if dry_run:
+        return plan_run(AXOLOTL, config)
+    return frameworks.run_framework(FRAMEWORKS["axolotl"], config)
 
 
 def main(argv: list[str] | None = None) -> DatasetResult:
-    return frameworks.main(axolotl, AXOLOTL, argv, __doc__)  # type: ignore[no-any-return]
+    return command.main("axolotl", argv)  # type: ignore[no-any-return]
 
 
 if __name__ == "__main__":
-    from trainflow.cli import exit_now
-
-    main(sys.argv[1:])
-    exit_now()  # the pipeline is done: skip only the interpreter's teardown
+    command.run("axolotl")

@@ -26,7 +26,15 @@ def parse_args(name: str, argv: list[str] | None) -> Any:
     spec = pipeline(name)
     flow = flow_of(spec)
     doc = sys.modules[spec.flow_module].__doc__
-    return pipeline_config(flow, spec.defaults(), argv, doc, spec.presets_by_name() or None)
+    presets = spec.presets_by_name() or None
+    return pipeline_config(flow, spec.defaults(), _arguments(spec, argv), doc, presets)
+
+
+def _arguments(spec: PipelineSpec, argv: list[str] | None) -> list[str]:
+    """The command line as the options parser reads it (a framework's positional file)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    command_line = spec.startup_hook("command_line")
+    return list(command_line(args)) if command_line is not None else args
 
 
 def main(name: str, argv: list[str] | None = None) -> Any:
@@ -38,7 +46,7 @@ def main(name: str, argv: list[str] | None = None) -> Any:
     return run_pipeline(
         flow,
         spec.defaults(),
-        argv,
+        _arguments(spec, argv),
         sys.modules[spec.flow_module].__doc__,
         spec.presets_by_name() or None,
         list(spec.summary_metrics) or None,

@@ -17,9 +17,7 @@ trial (`parent_run_id`) never moves the alias. A framework cannot continue from 
 ours: `--resume RUN_ID` continues the same MLflow run and trains again from the start.
 """
 
-import functools
 import shutil
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,82 +36,12 @@ from flows.skeleton import (
 from tasks.data import prepare_dataset
 from tasks.techniques import retry_if_transient
 from trainflow import tracking
-from trainflow.configs.frameworks import (
-    PRESETS_DIR,
-    Framework,
-    FrameworkConfig,
-    FrameworkSetupError,
-    read_framework_config,
-)
-from trainflow.launch.plan import check_cpu_oversubscription
+from trainflow.configs.frameworks import Framework, FrameworkConfig, read_framework_config
+from trainflow.frameworks.startup import check_environment, check_setup
 from trainflow.strategies.job import TrainResult
 
 if TYPE_CHECKING:  # the framework side imports transformers: loaded when a run needs it
     from trainflow.frameworks.pipeline import FrameworkJob
-
-SUMMARY_METRICS = [
-    "train_loss",
-    "steps",
-    "untrained_loss",
-    "eval_loss",
-    "eval_perplexity",
-    "eval_exact_match",
-    "train_runtime_s",
-]
-
-
-def default_config(framework: Framework) -> FrameworkConfig:
-    """What `python -m flows.NAME` and the flow start from: the shipped tiny config."""
-    return FrameworkConfig(
-        framework=framework.name,
-        framework_config=str(PRESETS_DIR / framework.tiny_config),
-        registered_model_name=f"{framework.name}-sft",
-    )
-
-
-def check_setup(framework: Framework, config: FrameworkConfig) -> FrameworkConfig:
-    """What can be checked in a second, before the Prefect server or any rank starts: the config
-    file, the framework's environment, the ranks' device. Returns the config for `framework`
-    (`for_framework`), resolved (`resolved`: the model and sequence length from the file when
-    not given).
-
-    Raises:
-        FrameworkSetupError: naming the file, the environment (and the command that makes it) or
-            why the framework cannot train on these ranks.
-        ValueError: the config names another framework, or a file that names no model.
-    """
-    config = config.for_framework(framework).resolved(framework)
-    python = config.interpreter(framework)
-    if not python.exists():
-        where = "--python" if config.python else f".venvs/{framework.name}"
-        raise FrameworkSetupError(
-            f"{framework.title} runs in its own environment, and {python} does not exist "
-            f"({where}): create it with `{framework.setup_command()}`"
-        )
-    plan = config.launch_plan()
-    check_cpu_oversubscription(plan)
-    # The framework's own say on this device and config (Unsloth: a config that needs a GPU).
-    can_train = getattr(framework.rank_module(), "check_can_train", None)
-    if plan.device == "cpu" and can_train is not None:
-        reason = can_train(config.framework_config)
-        if reason:
-            raise FrameworkSetupError(
-                f"{framework.title} cannot train on CPU ranks: {reason}. Run it where CUDA GPUs "
-                "are (--gpu-type H100 --gpus 8, or a GPU deployment)"
-            )
-    return config
-
-
-def check_environment(framework: Framework, config: FrameworkConfig) -> str:
-    """The environment can start our ranks (torch and trainflow import there); its versions."""
-    from trainflow.errors import LaunchConfigError
-    from trainflow.launch.environment import check_interpreter
-
-    try:
-        return check_interpreter(str(config.interpreter(framework)))
-    except LaunchConfigError as exc:
-        hint = f"(for {framework.title}: `{framework.setup_command()}`)"
-        raise FrameworkSetupError(f"{exc} {hint}") from None
 
 
 def run_framework(framework: Framework, config: FrameworkConfig) -> DatasetResult:
@@ -224,34 +152,3 @@ def _train_with_framework(
     kwargs = {} if progress_file is None else {"progress_file": progress_file}
     values = launch_logged(rank_train, (config_file, overrides), kwargs, options).values
     return values[0]  # type: ignore[no-any-return]
-
-
-def cli_argv(argv: list[str] | None) -> list[str]:
-    """`python -m flows.NAME CONFIG.yaml [options]`: the positional config file becomes
-    `--framework-config`."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and not args[0].startswith("-"):
-        args = ["--framework-config", args[0], *args[1:]]
-    return args
-
-
-def main(flow: Any, framework: Framework, argv: list[str] | None, doc: str | None) -> Any:
-    """`python -m flows.NAME [CONFIG.yaml] [options]`, with the shipped tiny config by default."""
-    from flows.local_server import starting_prefect_server
-    from trainflow.cli import run_pipeline
-
-    defaults = default_config(framework)
-    return run_pipeline(
-        flow,
-        defaults,
-        cli_argv(argv),
-        doc,
-        summary_metrics=SUMMARY_METRICS,
-        server=starting_prefect_server,
-        check=functools.partial(_check, check_setup, framework),
-        deep_check=functools.partial(_check, check_environment, framework),
-    )
-
-
-def _check(check: Any, framework: Framework, config: FrameworkConfig) -> None:
-    check(framework, config)

@@ -17,31 +17,30 @@ config; the rest is the file's.
 See docs/frameworks.md for what is tested where.
 """
 
-import sys
-
 from prefect import flow
 
-from flows import frameworks
+from flows import command, frameworks
 from flows.skeleton import DatasetResult
+from tasks.plan import plan_run
 from trainflow.configs.frameworks import FRAMEWORKS, FrameworkConfig
+from trainflow.pipelines import PIPELINES
 
-LLM_FOUNDRY = FRAMEWORKS["llm-foundry"]
+LLM_FOUNDRY = PIPELINES["llm_foundry"]
 
 
 @flow(name="llm_foundry", log_prints=True)
 def llm_foundry(
-    config: FrameworkConfig = frameworks.default_config(LLM_FOUNDRY),
-) -> DatasetResult:
+    config: FrameworkConfig = LLM_FOUNDRY.defaults(), dry_run: bool = False
+) -> DatasetResult | None:
     """Train with LLM Foundry on our ranks, evaluate on the held-out split, register in MLflow."""
-    return frameworks.run_framework(LLM_FOUNDRY, config)
+    if dry_run:
+        return plan_run(LLM_FOUNDRY, config)
+    return frameworks.run_framework(FRAMEWORKS["llm-foundry"], config)
 
 
 def main(argv: list[str] | None = None) -> DatasetResult:
-    return frameworks.main(llm_foundry, LLM_FOUNDRY, argv, __doc__)  # type: ignore[no-any-return]
+    return command.main("llm_foundry", argv)  # type: ignore[no-any-return]
 
 
 if __name__ == "__main__":
-    from trainflow.cli import exit_now
-
-    main(sys.argv[1:])
-    exit_now()  # the pipeline is done: skip only the interpreter's teardown
+    command.run("llm_foundry")

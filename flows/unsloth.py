@@ -14,31 +14,30 @@ config; the rest is the file's.
 See docs/frameworks.md for what is tested where.
 """
 
-import sys
-
 from prefect import flow
 
-from flows import frameworks
+from flows import command, frameworks
 from flows.skeleton import DatasetResult
+from tasks.plan import plan_run
 from trainflow.configs.frameworks import FRAMEWORKS, FrameworkConfig
+from trainflow.pipelines import PIPELINES
 
-UNSLOTH = FRAMEWORKS["unsloth"]
+UNSLOTH = PIPELINES["unsloth"]
 
 
 @flow(name="unsloth", log_prints=True)
 def unsloth(
-    config: FrameworkConfig = frameworks.default_config(UNSLOTH),
-) -> DatasetResult:
+    config: FrameworkConfig = UNSLOTH.defaults(), dry_run: bool = False
+) -> DatasetResult | None:
     """Train with Unsloth on our ranks, evaluate on the held-out split, register in MLflow."""
-    return frameworks.run_framework(UNSLOTH, config)
+    if dry_run:
+        return plan_run(UNSLOTH, config)
+    return frameworks.run_framework(FRAMEWORKS["unsloth"], config)
 
 
 def main(argv: list[str] | None = None) -> DatasetResult:
-    return frameworks.main(unsloth, UNSLOTH, argv, __doc__)  # type: ignore[no-any-return]
+    return command.main("unsloth", argv)  # type: ignore[no-any-return]
 
 
 if __name__ == "__main__":
-    from trainflow.cli import exit_now
-
-    main(sys.argv[1:])
-    exit_now()  # the pipeline is done: skip only the interpreter's teardown
+    command.run("unsloth")

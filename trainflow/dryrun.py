@@ -68,6 +68,13 @@ def plan_run(
         detect: Ask `nvidia-smi` for this machine's GPUs (tests pass False).
     """
     plan = RunPlan(spec.name)
+    resolve = spec.startup_hook("resolve")  # a framework's file gives the model
+    if resolve is not None:
+        try:
+            config = resolve(config)
+        except ValueError as exc:
+            plan.problems.append(str(exc))
+            return plan
     _placement(plan, config)
     _technique(plan, spec, config, detect)
     _checks(plan, spec, config)
@@ -98,6 +105,10 @@ def _placement(plan: RunPlan, config: Any) -> None:
 def _technique(plan: RunPlan, spec: PipelineSpec, config: Any, detect: bool) -> None:
     technique = getattr(config, "technique", None)
     if technique is None:
+        return
+    if not hasattr(technique, "describe"):  # a framework trains with its own settings
+        plan.add("technique", f"{technique.title}'s own, from {config.framework_config}")
+        plan.add("technique", "memory per GPU: the framework's config decides; not estimated")
         return
     plan.add("technique", f"requested: {technique.describe()}")
     if hasattr(config, "training_setup") and hasattr(config, "model"):

@@ -49,15 +49,18 @@ class PipelineSpec:
         startup: `module` with the pipeline's own start-up hooks, each optional:
             `check_files(config)` (a second, before the Prefect server starts),
             `start_agent(config)` (the training launch's agent, started before the flow's
-            module imports Prefect), `deep_check(config)` (while the server starts).
+            module imports Prefect), `deep_check(config)` (while the server starts),
+            `command_line(argv)` (the arguments as the options parser reads them),
+            `resolve(config)` (the config completed from its files, for `--dry-run`).
             None: the workload's `check_config`, with its launch agent started first.
         checks: `module:function` checking a config without GPUs, network or the training
             libraries (files, names, sizes): run while the server starts and by `--dry-run`.
         preload: Modules the flow's process imports while the Prefect server starts.
         deployments: Deployment name in `prefect.yaml` -> the preset its parameters are (a
             test holds the two equal), or None for a deployment with parameters of its own.
-        defaults_factory: `module:function` returning the default config, for a pipeline whose
-            defaults are neither a preset nor the class's (the framework pipelines).
+        defaults_factory: `module:function` that, given the pipeline's name, returns its default
+            config, for a pipeline whose defaults are neither a preset nor the class's (the
+            framework pipelines).
     """
 
     name: str
@@ -124,7 +127,7 @@ class PipelineSpec:
         """The config a run starts from when given nothing."""
         if self.defaults_factory is not None:
             module, _, attr = self.defaults_factory.partition(":")
-            return getattr(importlib.import_module(module), attr)()
+            return getattr(importlib.import_module(module), attr)(self.name)
         if self.default_preset is not None:
             return self.preset(self.default_preset)
         return self.config_class()()
@@ -156,6 +159,17 @@ class _Preset:
 
     def __call__(self) -> Any:
         return self.spec.preset(self.name)
+
+
+FRAMEWORK_METRICS = (
+    "train_loss",
+    "steps",
+    "untrained_loss",
+    "eval_loss",
+    "eval_perplexity",
+    "eval_exact_match",
+    "train_runtime_s",
+)
 
 
 def _metrics(names: tuple[str, ...], whens: tuple[str, ...] = ("untrained", "eval")) -> tuple:
@@ -236,6 +250,25 @@ PIPELINES: dict[str, PipelineSpec] = {
             checks="trainflow.workloads.two_tower_checks:check_config",
             default_preset="debug_cpu",
             deployments={"cpu-local": "debug_cpu", "a10": None, "h100": "gpu"},
+        ),
+        *(
+            PipelineSpec(
+                name=name,
+                title=title,
+                config="trainflow.configs.frameworks:FrameworkConfig",
+                workload=None,  # the framework's own entry point, in its own environment
+                sweep_metric="eval_loss",
+                sweep_mode="min",
+                summary_metrics=FRAMEWORK_METRICS,
+                startup="trainflow.frameworks.startup",
+                defaults_factory="trainflow.frameworks.startup:defaults",
+                deployments=deployments,
+            )
+            for name, title, deployments in (
+                ("axolotl", "Axolotl", {"cpu-local": None, "axolotl-olmo3-7b": None}),
+                ("llm_foundry", "LLM Foundry", {"cpu-local": None, "llm-foundry-llama-3-8b": None}),
+                ("unsloth", "Unsloth", {"cpu-local": None, "unsloth-llama-3.2-3b": None}),
+            )
         ),
     )
 }

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from flows import axolotl, frameworks, llm_foundry, unsloth
+from flows import axolotl, llm_foundry, unsloth
 from trainflow.configs.frameworks import FRAMEWORKS, PRESETS_DIR, FrameworkConfig
+from trainflow.frameworks import startup
 
 
 def _usage_error(main, argv: list[str], capsys) -> str:
@@ -17,13 +18,13 @@ def _usage_error(main, argv: list[str], capsys) -> str:
 
 
 def test_a_positional_config_file_is_the_framework_config():
-    assert frameworks.cli_argv(["my.yaml", "--gpus", "4"]) == [
+    assert startup.command_line(["my.yaml", "--gpus", "4"]) == [
         "--framework-config",
         "my.yaml",
         "--gpus",
         "4",
     ]
-    assert frameworks.cli_argv(["--gpus", "4"]) == ["--gpus", "4"]
+    assert startup.command_line(["--gpus", "4"]) == ["--gpus", "4"]
 
 
 def test_a_missing_config_file_is_named(tmp_path, capsys):
@@ -66,7 +67,7 @@ def test_an_environment_that_cannot_start_ranks_is_named(tmp_path):
     with pytest.raises(
         ValueError, match=r"cannot run the ranks: .*torch.*setup-framework.sh axolotl"
     ):
-        frameworks.check_environment(FRAMEWORKS["axolotl"], config)
+        startup.check_environment(FRAMEWORKS["axolotl"], config)
 
 
 @pytest.mark.parametrize("name", sorted(FRAMEWORKS))
