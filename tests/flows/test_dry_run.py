@@ -86,3 +86,36 @@ def test_every_pipeline_plans_its_default_config(name):
     plan = plan_run(spec, spec.defaults(), detect=False)
     assert plan.fits, plan.problems
     assert {"placement", "checks", "where"} <= set(plan.sections)
+
+
+def test_from_the_ui_the_dry_run_parameter_shows_the_plan_and_a_misfit_fails_the_run(
+    prefect_api, tmp_path
+):
+    """What a run started from the UI with `dry_run: true` does: an artifact, no MLflow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from flows.sft import sft
+    from trainflow import tracking
+
+    fits = sft.with_options(flow_run_name="plan-fits")
+    assert fits(PIPELINES["sft"].preset("gpt-oss-120b"), dry_run=True) is None
+    misfit = PIPELINES["sft"].preset("gpt-oss-120b").model_copy(update={"technique": _ddp()})
+    with pytest.raises(ValueError, match="technique ddp needs an estimated 248.2 GB per GPU"):
+        sft.with_options(flow_run_name="plan-misfit")(misfit, dry_run=True)
+
+    with get_client(sync_client=True) as client:
+        for name, verdict in (("plan-fits", "would fit."), ("plan-misfit", "would NOT fit")):
+            runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name]))
+            )
+            artifacts = {a.key: a for a in client.read_artifacts() if a.flow_run_id == runs[0].id}
+            assert verdict in str(artifacts["sft-plan"].data)
+    experiment = tracking.store_client().get_experiment_by_name("sft")
+    assert experiment is None or not tracking.store_client().search_runs([experiment.experiment_id])
+
+
+def _ddp():
+    from trainflow.strategies import DDPConfig
+
+    return DDPConfig()
