@@ -36,9 +36,15 @@ def build_mlp(config: mlp.MLPConfig) -> SimpleMLP:
 
 
 def test_technique_is_chosen_by_name():
+    from trainflow.strategies.technique import TECHNIQUES
+
+    # What `TechniqueConfig` held when this module was imported; other test modules may have
+    # registered techniques of their own since (test_toy_technique).
     names = {c.model_fields["name"].default for c in TechniqueConfig.__args__[0].__args__}
-    # Other test modules may register techniques of their own (test_toy_technique).
-    assert names == set(STRATEGIES) >= {"ddp", "fsdp", "deepspeed"}
+    assert {"ddp", "fsdp", "deepspeed"} <= names <= set(STRATEGIES) == set(TECHNIQUES)
+    field = TransformerConfig.model_fields["technique"]
+    members = {c.model_fields["name"].default for c in field.annotation.__args__}
+    assert members == set(TECHNIQUES)  # the pipelines' configs take every registered one
     assert isinstance(TransformerConfig().technique, FSDPConfig)
     config = TransformerConfig(technique={"name": "deepspeed", "zero_stage": 3})
     assert isinstance(config.technique, DeepSpeedConfig) and config.technique.zero_stage == 3
