@@ -9,8 +9,6 @@ seconds earlier, and goes on while the agent finishes its imports.
 from typing import Any
 
 from trainflow.configs.sft import AutoTechnique, SFTConfig
-from trainflow.data.tokenizer import load_tokenizer
-from trainflow.models.causal_lm import build_causal_lm
 from trainflow.strategies.job import check_technique
 
 __all__ = ["check_ahead", "check_config", "check_names"]
@@ -50,7 +48,12 @@ def check_names(config: SFTConfig) -> None:
             f"Trainer knows; use one of {schedules}"
         )
     if config.lora:
+        # Here, not at the top: only LoRA targets need the model (seconds of imports), and
+        # `--dry-run` checks the names of a run without them in about a second.
         import torch
+
+        from trainflow.data.tokenizer import load_tokenizer
+        from trainflow.models.causal_lm import build_causal_lm
 
         tokenizer = load_tokenizer(config.tokenizer_path())
         with torch.device("meta"):
@@ -80,7 +83,9 @@ def check_ahead(config: dict[str, Any]) -> dict[str, Any]:
     """
     from dataclasses import asdict
 
+    from trainflow.data.tokenizer import load_tokenizer
     from trainflow.memory import plan_sft
+    from trainflow.models.causal_lm import build_causal_lm
 
     given = SFTConfig.model_validate(config)
     check_config(given)
