@@ -197,6 +197,9 @@ class SweepResult(PipelineResult):
     num_complete: int = Field(description="Trials that finished with a metric.")
     num_pruned: int = Field(description="Trials the pruner stopped early.")
     num_failed: int = Field(description="Trials that failed.")
+    failures: list[str] = Field(
+        default_factory=list, description="How each failed trial failed (`trial N: error`)."
+    )
 
 
 @flow(name="sweep", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))
@@ -476,6 +479,7 @@ def _promote(config: SweepConfig, base: Any, parent: str, study: optuna.Study) -
         metrics=metrics,
         tracking_uri=tracking.tracking_uri(),
         best_trial=best.number if best else None,
+        failures=[f"trial {r.number}: {r.error}" for r in rows if r.state == "failed"],
         **summary,
     )
 
@@ -486,7 +490,14 @@ def main(argv: list[str] | None = None) -> SweepResult:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and not args[0].startswith("-"):
         args = ["--pipeline", *args]  # the pipeline may come first, as a word
-    return run_pipeline(sweep, SweepConfig(), args, __doc__, server=starting_prefect_server)
+    result: SweepResult = run_pipeline(
+        sweep, SweepConfig(), args, __doc__, server=starting_prefect_server
+    )
+    if result.num_complete == 0:
+        why = "; ".join(result.failures) or "every trial was pruned or stopped"
+        print(f"python -m flows.sweep: error: no trial succeeded: {why}", file=sys.stderr)
+        raise SystemExit(1)
+    return result
 
 
 if __name__ == "__main__":

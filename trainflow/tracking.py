@@ -302,7 +302,8 @@ _last_run_id: str | None = None
 
 
 def last_run_id() -> str | None:
-    """The MLflow run `pipeline_run` last opened (or resumed) in this process, if any."""
+    """The top-level MLflow run `pipeline_run` last opened (or resumed) in this process, if
+    any: never a nested one (a sweep's trial)."""
     return _last_run_id
 
 
@@ -513,7 +514,10 @@ def pipeline_run(
         else:
             _resume(client, experiment, experiment_id, resume_run_id)
             run_id = resume_run_id
-    _last_run_id = run_id
+    if PARENT_RUN_TAG not in (tags or {}):
+        # A nested run (a sweep's trial, in the sweep's own process) is not the one a stopped
+        # command continues: the sweep's is (`cli._report_stop`).
+        _last_run_id = run_id
     status = "FAILED"
     monitor = start_system_metrics(run_id, resumed=resume_run_id is not None)
     try:

@@ -193,6 +193,8 @@ def test_a_stopped_sweep_resumes_without_running_finished_trials_again(prefect_a
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, out[-3000:]
+    # The id to continue with is the sweep's own, not its last trial's.
+    assert f"Continue it with: python -m flows.sweep --resume {parent}" in out, out[-3000:]
     assert client.get_run(parent).info.status == "KILLED"
     before = {
         r.info.run_id: r.data.params["learning_rate"]
@@ -210,3 +212,22 @@ def test_a_stopped_sweep_resumes_without_running_finished_trials_again(prefect_a
     assert rates == ["0.001", "0.003", "0.01"]  # each value trained to the end once
     assert set(before) <= {r.info.run_id for r in finished}
     assert Path(run_output_dir("sweep", parent) / "study.db").exists()
+
+
+def test_a_sweep_whose_every_trial_failed_exits_1_naming_the_failures(prefect_api):
+    # timeout_s=0.5 fails in the launch: ranks cannot start that fast.
+    proc = _sweep_command(
+        "mlp",
+        "--space",
+        json.dumps({"timeout_s": [0.5]}),
+        "--trials",
+        "1",
+        "--base",
+        json.dumps(TINY),
+        "--pool",
+        "sweep-test-gpus",
+    )
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 1, out[-3000:]
+    assert "python -m flows.sweep: error: no trial succeeded: trial 0: " in out, out[-3000:]
+    assert "Traceback" not in out.split("=== sweep pipeline finished ===")[-1]
