@@ -113,7 +113,7 @@ def test_the_agent_started_ahead_ends_when_its_caller_is_killed(tmp_path):
         from trainflow.launch.spec import LaunchOptions
         from trainflow.launch.standby import _pool
         standby(LaunchOptions(gpus=2, gpu_type="cpu"), ["json"])
-        print(_pool.agents[0].proc.pid, flush=True)
+        print(_pool.agents[0].proc.pid, os.getpid(), flush=True)
         time.sleep(1)
         os.kill(os.getpid(), signal.SIGKILL)
         """
@@ -127,6 +127,9 @@ def test_the_agent_started_ahead_ends_when_its_caller_is_killed(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(pid), "the standby agent outlived the process that started it"
+    # Its early log, in the temp folder until a launch claims it, went with it.
+    caller = proc.stdout.split()[1]
+    assert not list(Path(tempfile.gettempdir()).glob(f"trainflow-standby-{caller}-*"))
 
 
 def test_a_listed_module_that_fails_to_import_is_named_and_the_rest_still_load(

@@ -69,14 +69,19 @@ def _stop_descendants(grace_s: float = 3.0) -> None:
 
 # The launch this agent runs, once it knows it (a standby agent learns it when claimed).
 _run_dir: RunDir | None = None
+# The standby log of an agent started ahead, until a launch claims it (`standby`).
+_early_log: Path | None = None
 
 
 def _exit_with_parent(parent_pid: int) -> None:
     """If the caller dies without stopping us (SIGKILL, OOM), take everything down."""
     while True:
         if os.getppid() != parent_pid:
+            # What the caller would have removed, and cannot any more.
             if _run_dir is not None:
-                _run_dir.payload.unlink(missing_ok=True)  # the caller cannot remove it any more
+                _run_dir.payload.unlink(missing_ok=True)
+            if _early_log is not None:
+                _early_log.unlink(missing_ok=True)  # a standby agent no launch claimed
             _stop_descendants(grace_s=0)  # as if the machine were lost: no final checkpoint
             os.killpg(os.getpgrp(), signal.SIGKILL)
         time.sleep(0.5)
@@ -169,6 +174,8 @@ def standby(log: str, preload: list[str], outcomes_fd: int) -> int:
     raise it with their rank's context. Output so far (warnings of the imports) goes to the
     launch's agent log once it is known.
     """
+    global _early_log
+    _early_log = Path(log)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     line = sys.stdin.readline()
     calls = json.loads(line) if line.strip() else []
@@ -198,8 +205,9 @@ def standby(log: str, preload: list[str], outcomes_fd: int) -> int:
     # milliseconds instead of most of a second, and pages shared with the ranks stay shared.
     gc.freeze()
     line = sys.stdin.readline().strip()
-    if not line:
-        return 0  # not needed after all
+    if not line:  # not needed after all, or the caller is gone (its end of stdin closed)
+        Path(log).unlink(missing_ok=True)
+        return 0
     claim = json.loads(line)
     run_dir = claim["run_dir"]
     os.environ.clear()
@@ -216,6 +224,7 @@ def standby(log: str, preload: list[str], outcomes_fd: int) -> int:
     os.dup2(fd, 2)
     os.close(fd)
     early.unlink(missing_ok=True)
+    _early_log = None
     return main(run_dir, watching=True)
 
 
