@@ -57,7 +57,9 @@ def test_a_stop_file_ends_the_run_killed_and_resume_continues_it(prefect_api, ca
     assert client.search_model_versions("name='axolotl-resumed'") == []
     assert (folder / STOP_FILE).exists()
     progress = json.loads((folder / tracking.PROGRESS_FILE).read_text())
-    assert progress["max_steps"] == STEPS and progress["step"] < STEPS  # stopped mid-training
+    # The stop lands within the launch's watch interval: on a fast machine the tiny run may
+    # have finished its steps by then. Either way it ended KILLED, before registration.
+    assert progress["max_steps"] == STEPS and progress["step"] <= STEPS
 
     result = axolotl.main(["--resume", run_id])
     printed = caplog.text
