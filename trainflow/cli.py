@@ -113,7 +113,8 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return nested
 
 
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+def merge_options(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """`base` (a config as a dict) with `update`'s options over it, nested sections merged."""
     out = dict(base)
     for key, value in update.items():
         old = out.get(key)
@@ -125,7 +126,7 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
             and value["name"] != old.get("name")
         )
         if isinstance(value, dict) and isinstance(old, dict) and not switched:
-            out[key] = _merge(old, value)
+            out[key] = merge_options(old, value)
         else:
             out[key] = value
     return out
@@ -209,7 +210,7 @@ def parse_command_line(
             base = resumed(given["resume"])
         except ValueError as exc:
             parser.error(f"--resume {given['resume']}: {exc}")
-    merged = _merge(base, _nest(given))
+    merged = merge_options(base, _nest(given))
     try:
         return model.model_validate(merged), on
     except ValidationError as exc:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import optuna
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from trainflow.cli import merge_options
 from trainflow.pipelines import PIPELINES
 
 Scalar = str | int | float | bool | None
@@ -70,26 +71,8 @@ def start_config(pipeline: str, base: Mapping[str, Any]) -> BaseModel:
         ValidationError: `base` is not a valid config of the pipeline.
     """
     spec = PIPELINES[pipeline]
-    merged = _deep_merge(spec.defaults().model_dump(), dict(base))
+    merged = merge_options(spec.defaults().model_dump(), dict(base))
     return spec.config_class().model_validate(merged)
-
-
-def _deep_merge(into: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(into)
-    for key, value in update.items():
-        old = out.get(key)
-        # Switching a union's variant (technique fsdp -> ddp) replaces its options.
-        same_variant = not (
-            isinstance(value, Mapping)
-            and isinstance(old, dict)
-            and "name" in value
-            and value["name"] != old.get("name")
-        )
-        if isinstance(value, Mapping) and isinstance(old, dict) and same_variant:
-            out[key] = _deep_merge(old, value)
-        else:
-            out[key] = value
-    return out
 
 
 def _bounds(dimension: Dimension) -> list[Scalar]:
