@@ -8,6 +8,7 @@ strike them.
 import json
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -149,6 +150,24 @@ def test_marked_template_masks_equal_the_turn_prefix_masks():
     assert marked["input_ids"] == prefix["input_ids"]
     assert marked["assistant_masks"] == prefix["assistant_masks"]
     assert sum(marked["assistant_masks"][-1]) > sum(marked["assistant_masks"][0])
+
+
+def test_marked_templates_tokenize_in_parallel_threads():
+    """A sweep's parallel trials tokenize in one process; transformers shares a template's
+    compiled environment (and its generation tracker) between them."""
+    rows = instruction_rows(300, seed=5)
+    batch = {"id": [r["id"] for r in rows], "messages": [r["messages"] for r in rows]}
+    expected = _ChatTokenizer(load_tokenizer(TOKENIZER, need_chat_template=True), "messages", "t")(
+        batch
+    )
+
+    def tokenize(_: int) -> dict:
+        fn = _ChatTokenizer(load_tokenizer(TOKENIZER, need_chat_template=True), "messages", "t")
+        return [fn(batch) for _ in range(2)][-1]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(tokenize, range(4)))
+    assert all(r == expected for r in results)
 
 
 def test_marked_template_names_the_row_without_an_answer_or_with_a_bad_role():

@@ -14,6 +14,7 @@ number in the split) so readers can check exactly which samples they saw.
 
 import os
 import re
+import threading
 from typing import Any
 
 import datasets
@@ -131,6 +132,14 @@ def _with_ids(config: DataConfig, split: str, ds: datasets.Dataset) -> datasets.
     return ds
 
 
+# transformers compiles each chat template once per process (a cached jinja environment shared
+# by every tokenizer with that template) and tracks `{% generation %}` blocks on that shared
+# environment: two threads rendering with the assistant mask at once fail with "AssistantTracker
+# should not be reused before closed". Two pipelines in one process (a sweep's parallel trials)
+# tokenize at once, so marked renders take turns. `datasets`' worker processes have their own.
+_MARKED_RENDER = threading.Lock()
+
+
 class _ChatTokenizer:
     """Batched map function: messages -> input_ids + assistant_masks (picklable for num_proc).
 
@@ -191,9 +200,13 @@ class _ChatTokenizer:
             if not any(m["role"] == "assistant" for m in messages):
                 raise DataError(f"{self._where(row_id)}: no assistant message, so nothing to learn")
         try:
-            encoded: Any = self.tokenizer.apply_chat_template(
-                conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
+            with _MARKED_RENDER:
+                encoded: Any = self.tokenizer.apply_chat_template(
+                    conversations,
+                    tokenize=True,
+                    return_dict=True,
+                    return_assistant_tokens_mask=True,
+                )
         except Exception:  # template errors: render row by row to name the row
             for row_id, messages in zip(batch["id"], conversations, strict=True):
                 try:
