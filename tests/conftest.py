@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -96,7 +95,7 @@ def _flock(path: Path, mode: int):
 
 
 @pytest.fixture(autouse=True)
-def _alone_when_marked(request):
+def _alone_when_marked(request, tmp_path_factory):
     """With tests in parallel (pytest-xdist's workers), a test marked `alone` runs while no other
     test does: it makes state that is machine-wide on purpose (stale `streaming` shared memory,
     which any run's clean-up removes). Every test holds a shared lock, an `alone` one the
@@ -105,7 +104,8 @@ def _alone_when_marked(request):
     if run is None:  # one process: tests run one at a time anyway
         yield
         return
-    folder = Path(tempfile.gettempdir())
+    # The workers' temp folders share this parent, which pytest itself cleans up later.
+    folder = tmp_path_factory.getbasetemp().parent
     alone = request.node.get_closest_marker("alone") is not None
     with contextlib.ExitStack() as held:
         with _flock(folder / f"trainflow-tests-{run}.turn", fcntl.LOCK_EX):
@@ -116,6 +116,18 @@ def _alone_when_marked(request):
                 )
             )
         yield
+
+
+def pytest_sessionfinish(session):
+    """Tests that open a `streaming` dataset themselves (not through a run, which cleans up
+    after itself) leave its lock files in the temp folder; the last process to finish removes
+    those no process uses any more, so the suite leaves nothing there."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller finishes last
+        return
+    from trainflow.data.shm import GRACE_S, clean_stale_streaming_state
+
+    time.sleep(GRACE_S)
+    clean_stale_streaming_state()
 
 
 @pytest.fixture(autouse=True)
