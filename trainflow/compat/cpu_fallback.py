@@ -17,6 +17,7 @@ Every launch (the environment contract):
 CPU ranks (`gpu_type="cpu"`, or the CPU fallback of GPU code; never on GPU ranks):
 
 - the `Trainer` runs as CPU (`use_cpu`), which also lets `bf16=True` run on CPU;
+- a bare `PartialState()` reads `ACCELERATE_USE_CPU` as `Accelerator()` does;
 - `init_process_group("nccl")` / `new_group` / `init_device_mesh("cuda")` use gloo and the CPU,
   `device_id` is dropped and `torch.cuda.set_device` does nothing;
 - `torch.autocast("cuda", dtype=torch.bfloat16)` autocasts on the CPU;
@@ -114,7 +115,7 @@ def install(run_dir: Path, rank: int, device: str) -> None:
         torch.adapt_for_cpu()
         finder.watch("transformers.training_args", transformers.adapt_training_arguments)
         finder.watch("transformers.trainer", transformers.adapt_trainer)
-    finder.watch("accelerate.state", transformers.check_accelerate)
+    finder.watch("accelerate.state", transformers.check_accelerate(cpu))
     for package in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
         finder.watch(package, lightning.adapt_trainer(cpu))
     finder.watch("deepspeed", deepspeed.adapt(cpu))

@@ -53,9 +53,10 @@ PARTIAL_STATE = declare(
     "accelerate",
     ACCELERATE,
     target="accelerate.state:PartialState.__init__",
-    params=("self",),
-    why="a Trainer that set itself up single-process inside a multi-rank launch fails, naming "
-    "it, instead of training one copy per rank",
+    params=("self", "cpu"),
+    why="CPU ranks: a bare PartialState() takes the launch's ACCELERATE_USE_CPU as "
+    "Accelerator() does (it joins the gloo world); a state that set itself up single-process "
+    "inside a multi-rank launch fails, naming it, instead of training one copy per rank",
 )
 
 
@@ -130,20 +131,35 @@ def adapt_trainer(module: types.ModuleType) -> None:
     replace(CREATE_ACCELERATOR, module.Trainer, "create_accelerator_and_postprocess", make)
 
 
-def check_accelerate(module: types.ModuleType) -> None:
-    state = module.PartialState
+def check_accelerate(cpu_ranks: bool) -> Callable[[types.ModuleType], None]:
+    """accelerate's state joins the launched world, or fails naming itself.
 
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
-            world, _ = launched_world()
-            if world > 1 and self.num_processes != world:
-                raise single_process(
-                    "Hugging Face accelerate",
-                    self.num_processes,
-                    f" (distributed type {self.distributed_type})",
-                )
+    On CPU ranks a bare `PartialState()` (accelerate's own `test_ops` in 1.8 to 1.13, a cell
+    that asks `PartialState().is_main_process`) reads `ACCELERATE_USE_CPU` as `Accelerator()`
+    and `AcceleratorState()` do: otherwise it looks for an accelerator, finds none and sets
+    itself up as one process, while the launch has several.
+    """
 
-        return __init__
+    def hook(module: types.ModuleType) -> None:
+        from accelerate.utils import parse_flag_from_env
 
-    replace(PARTIAL_STATE, state, "__init__", make)
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def __init__(self: Any, cpu: bool = False, **kwargs: Any) -> None:
+                asked = parse_flag_from_env("ACCELERATE_USE_CPU")
+                if cpu_ranks and asked and not cpu and not self.initialized:
+                    cpu = True
+                    note("accelerate's PartialState() runs as CPU (ACCELERATE_USE_CPU)")
+                original(self, cpu, **kwargs)
+                world, _ = launched_world()
+                if world > 1 and self.num_processes != world:
+                    raise single_process(
+                        "Hugging Face accelerate",
+                        self.num_processes,
+                        f" (distributed type {self.distributed_type})",
+                    )
+
+            return __init__
+
+        replace(PARTIAL_STATE, module.PartialState, "__init__", make)
+
+    return hook
