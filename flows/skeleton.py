@@ -42,9 +42,10 @@ from flows.techniques import techniques
 from tasks.reporting import figure_markdown, publish_summary
 from trainflow import checkpoint, tracking
 from trainflow.cli import start_launch_agent
+from trainflow.configs.base import check_resume_config
 from trainflow.gate import Threshold, gate_failures
 from trainflow.launch.plan import LaunchPlan, check_cpu_oversubscription
-from trainflow.paths import RUN_CONFIG_FILE, STOP_FILE, read_run_config, run_output_dir
+from trainflow.paths import RUN_CONFIG_FILE, STOP_FILE, run_output_dir
 from trainflow.resources import Resources
 from trainflow.strategies.job import TrainResult, Workload
 from trainflow.strategies.technique import Technique, check_framework
@@ -310,20 +311,9 @@ def _agent_ahead(workload: PipelineWorkload, config: SkeletonConfig) -> Iterator
 
 
 def check_resumable(workload: PipelineWorkload, config: SkeletonConfig, run_id: str) -> None:
-    """Refuse to continue `run_id` with a config that trains something else.
-
-    Placement, recovery and checkpoint options may differ (a run moved to another machine);
-    the model, data and training options must be the run's own.
-    """
-    own = type(config).model_validate(read_run_config(workload.name, run_id))
-    mine, theirs = config.training_fields(), own.training_fields()
-    changed = [f"{k} ({theirs[k]!r} -> {mine[k]!r})" for k in mine if mine[k] != theirs.get(k)]
-    if changed:
-        raise ValueError(
-            f"resume {run_id}: these options differ from the run's own config: "
-            f"{', '.join(changed)}; a resumed run trains with its own config "
-            f"(the command line starts from it)"
-        )
+    """Refuse to continue `run_id` with a config that trains something else
+    (`check_resume_config`: the command line checks the same before anything starts)."""
+    check_resume_config(workload.name, config, run_id)
 
 
 def preflight(workload: WorkloadSpec, config: SkeletonConfig) -> None:

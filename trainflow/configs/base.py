@@ -6,9 +6,9 @@ the same in every pipeline, on the command line, in the Prefect UI and in deploy
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
-from trainflow.paths import SafeName
+from trainflow.paths import SafeName, read_run_config
 from trainflow.resources import Resources
 
 
@@ -51,3 +51,24 @@ class PipelineConfig(Resources):
         """
         keep = set(type(self).model_fields) - set(PipelineConfig.model_fields)
         return self.model_dump(include=keep)
+
+
+def check_resume_config(pipeline: str, config: BaseModel, run_id: str) -> None:
+    """Refuse to continue run `run_id` of `pipeline` with a config that trains something else.
+
+    `config` and the run's own (saved in its output folder) must have equal `training_fields()`:
+    placement, recovery and checkpoint options may differ (a run moved to another machine),
+    the model, data and training options may not.
+
+    Raises:
+        ValueError: no such run of `pipeline` here, or naming each option that differs.
+    """
+    own = type(config).model_validate(read_run_config(pipeline, run_id))
+    mine, theirs = config.training_fields(), own.training_fields()  # type: ignore[attr-defined]
+    changed = [f"{k} ({theirs[k]!r} -> {mine[k]!r})" for k in mine if mine[k] != theirs.get(k)]
+    if changed:
+        raise ValueError(
+            f"resume {run_id}: these options differ from the run's own config: "
+            f"{', '.join(changed)}; a resumed run trains with its own config "
+            f"(the command line starts from it)"
+        )
