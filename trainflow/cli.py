@@ -233,7 +233,7 @@ def _problem(err: Any, flags: set[str]) -> str:
     if err["type"] == "extra_forbidden":  # a key in a --config file or a JSON option
         return f"{dotted!r} is not an option of this pipeline (see --help)"
     msg = str(err["msg"]).removeprefix("Value error, ")  # a validator's own message
-    if len(loc) == 1 and err["type"] == "value_error" and loc[0] not in flags:
+    if len(loc) == 1 and err["type"] == "value_error" and _flag(loc[0]) not in flags:
         return msg  # a nested model's check, whose message names its fields itself
     for end in range(len(loc), 0, -1):
         flag = "--" + "-".join(loc[:end]).replace("_", "-")
@@ -241,6 +241,10 @@ def _problem(err: Any, flags: set[str]) -> str:
             rest = ".".join(loc[end:])
             return f"{flag}: {rest + ': ' if rest else ''}{msg}"
     return f"{dotted}: {msg}"
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 def _read_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
