@@ -20,6 +20,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from trainflow.compat.safe_load import check_checkpoint, torch_load
+
 MARKER = "meta.json"
 _STEP_DIR = re.compile(r"^(?:step_(\d+)|checkpoint-(\d+))$")
 _PARTIAL_DIR = re.compile(r"^\.step_\d+\.partial$")
@@ -113,12 +115,20 @@ def remove_partial(root: str | Path) -> list[Path]:
 
 def resolve(path: str | Path | None) -> Path | None:
     """Where to resume from: `path` itself if it is a complete checkpoint, else the latest
-    complete one under it, else None (nothing to resume: start fresh)."""
+    complete one under it, else None (nothing to resume: start fresh).
+
+    Every file of the checkpoint found is checked first: none may hold pickled code
+    (`safe_load.check_checkpoint`), whichever framework will load it.
+
+    Raises:
+        UnsafeCheckpointError: a file of the checkpoint holds more than data; it names the file.
+    """
     if path is None:
         return None
-    if (Path(path) / MARKER).is_file():
-        return Path(path)
-    return latest_checkpoint(path)
+    found = Path(path) if (Path(path) / MARKER).is_file() else latest_checkpoint(path)
+    if found is not None:
+        check_checkpoint(found)
+    return found
 
 
 def uri(path: Path | None) -> str | None:
@@ -151,14 +161,18 @@ def save_rank_state(folder: Path, rank: int, extra: dict[str, Any] | None = None
 
 def load_rank_state(folder: Path, rank: int) -> dict[str, Any] | None:
     """Restore this rank's RNG streams from `folder`; return its `extra` (None: no state saved
-    for this rank, as when resuming on more ranks than saved the checkpoint)."""
+    for this rank, as when resuming on more ranks than saved the checkpoint).
+
+    Raises:
+        UnsafeCheckpointError: the file holds more than tensors and plain values.
+    """
     import numpy as np
     import torch
 
     path = _rank_state_file(folder, rank)
     if not path.is_file():
         return None
-    state = torch.load(path, weights_only=True)
+    state = torch_load(path)
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

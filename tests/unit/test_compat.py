@@ -17,6 +17,7 @@ from trainflow.compat import (
     patching,
     prefect,  # noqa: F401
     ray,  # noqa: F401
+    safe_load,  # noqa: F401
     stdlib,  # noqa: F401
 )
 from trainflow.compat.patching import PATCHES, CompatError, CompatWarning
@@ -72,6 +73,14 @@ BEHAVIOUR = {
     "python: atexit._run_exitfuncs": "tests/unit/test_compat.py::"
     "test_exit_now_runs_the_exit_handlers_and_keeps_the_code",
     "python: atexit._clear": "tests/unit/test_compat.py::test_cleared_exit_handlers_do_not_run",
+    "torch: FileSystemReader.read_metadata": "tests/unit/test_checkpoint_safety.py::"
+    "test_pickle_in_dcp_metadata_is_refused_by_resume_and_by_dcp_itself",
+    "torch: FileSystemReader.read_data": "tests/unit/test_checkpoint_safety.py::"
+    "test_pickle_in_a_dcp_value_is_refused_naming_its_file",
+    "torch: DefaultLoadPlanner.load_bytes": "tests/unit/test_checkpoint_safety.py::"
+    "test_pickle_in_a_dcp_value_is_refused_naming_its_file",
+    "deepspeed: TorchCheckpointEngine.load": "tests/unit/test_checkpoint_safety.py::"
+    "test_pickle_in_a_deepspeed_checkpoint_is_refused_by_resume_and_by_deepspeed",
 }
 
 # Private names of other packages that only `trainflow/compat/` may use.

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainflow import runtime
+from trainflow.compat import safe_load
 from trainflow.compat.deepspeed import no_compiled_ops
 from trainflow.strategies.base import Strategy
 from trainflow.strategies.config import DeepSpeedConfig, OptimizerConfig, deepspeed_json
@@ -63,7 +64,11 @@ def prepare_compiled_ops(device_type: str) -> None:
       JIT-building a shared-memory all-reduce (minutes on a cold cache).
     - On CUDA, rewrite a `TORCH_CUDA_ARCH_LIST` its op builder cannot read
       (`readable_arch_list`), so that fused Adam builds on images that list `9.0a`.
+
+    Every caller is about to run DeepSpeed (our loop, the Trainer, Lightning), so its
+    checkpoint loads are made to refuse pickled code here too (`safe_load`).
     """
+    safe_load.install_deepspeed()
     if device_type != "cuda":
         no_compiled_ops()
         return
