@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainflow import checkpoint, runtime
+from trainflow.compat import safe_load
 from trainflow.errors import FrameworkError
 from trainflow.strategies import frameworks
 from trainflow.strategies.config import FRAMEWORKS, OptimizerConfig
@@ -89,6 +90,9 @@ class Strategy(ABC):
     name: ClassVar[str]
 
     def __init__(self, config: Any):
+        # Every load of a checkpoint on this rank refuses pickled code, whichever framework
+        # loads it (DCP's metadata and values, DeepSpeed's files).
+        safe_load.install()
         self.config = config
         self.device = runtime.get_device()
         self.model: nn.Module | None = None
