@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -285,7 +286,14 @@ class TorchStrategy(Strategy):
 
     def _save(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.wrapped, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+        # A value every rank holds (DDP's whole model; buffers under FSDP) is written once, by
+        # the lowest rank. Replicas can differ: DDP broadcasts rank 0's buffers (batch norm's
+        # running statistics) at each forward and each rank then updates its own; rank 0's
+        # are the ones the next step would have used, so they are the ones a resume needs.
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        dcp.save(
+            {"model": model_state, "optimizer": optim_state}, checkpoint_id=path, planner=planner
+        )
 
     def _load(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.wrapped, self.optimizer)

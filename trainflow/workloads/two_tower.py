@@ -159,18 +159,38 @@ class Durability(Callback):
     - Every `checkpoint_every` steps and at the end, every rank joins `trainer.save_checkpoint`
       into `.step_N.partial/`; once all have, rank 0 marks it complete and renames it
       (`trainflow.checkpoint`), keeping the newest `keep`. Lightning's checkpoint holds the
-      weights, optimizer, loop position and the `streaming` loader's position.
+      weights, optimizer, loop position and the `streaming` loader's position; it is written
+      by rank 0 alone, so each rank adds its own RNG streams and its sampled negatives'
+      generator (`rank_<r>.state.pt`), which a resume puts back before its first step.
     - After every step the ranks agree whether a stop was requested (SIGTERM: a preemption,
       Ctrl-C or a cancel upstream); if so they checkpoint that step and stop.
     """
 
-    def __init__(self, config: TwoTowerConfig, root: Path, output_dir: Path, max_steps: int):
+    def __init__(
+        self,
+        config: TwoTowerConfig,
+        root: Path,
+        output_dir: Path,
+        max_steps: int,
+        resume: Path | None = None,
+    ):
         self.config, self.root = config, root
+        self.resume = resume  # this rank's state still to restore, from this checkpoint
         self.stopped_at: int | None = None
         self.last_saved: int | None = None
         self.history: dict[int, dict[str, float]] = {}
         path = output_dir / PROGRESS_FILE if runtime.is_rank_zero() else None
         self.progress = ProgressFile(path, max_steps)
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, *args: Any) -> None:
+        # Here rather than when Lightning restores its checkpoint: what runs between the two
+        # (opening the loader) must not move the streams the uninterrupted run had here.
+        if self.resume is None:
+            return
+        extra = checkpoint.load_rank_state(self.resume, trainer.global_rank)
+        self.resume = None
+        if extra is not None:  # None: a rank the checkpoint's world did not have
+            module.negatives.set_state(extra["negatives"])
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, *args: Any) -> None:
         step = trainer.global_step
@@ -182,7 +202,7 @@ class Durability(Callback):
         stop = runtime.should_stop()
         every = self.config.checkpoint_every
         if stop or (every and step % every == 0):
-            self.save(trainer, step)
+            self.save(trainer, module, step)
         if stop:
             self.stopped_at = step
             trainer.should_stop = True
@@ -190,9 +210,9 @@ class Durability(Callback):
     def on_train_end(self, trainer: L.Trainer, module: Any) -> None:
         self.progress.update(trainer.global_step)
         if self.config.checkpoint_every and self.stopped_at is None:
-            self.save(trainer, trainer.global_step)
+            self.save(trainer, module, trainer.global_step)
 
-    def save(self, trainer: L.Trainer, step: int) -> None:
+    def save(self, trainer: L.Trainer, module: TwoTowerModule, step: int) -> None:
         if self.last_saved == step:
             return
         path = checkpoint.checkpoint_path(self.root, step)
@@ -201,6 +221,8 @@ class Durability(Callback):
             partial.mkdir(parents=True, exist_ok=True)
         trainer.strategy.barrier()
         trainer.save_checkpoint(partial / LIGHTNING_CHECKPOINT)
+        negatives = module.negatives.get_state()
+        checkpoint.save_rank_state(partial, trainer.global_rank, {"negatives": negatives})
         trainer.strategy.barrier()
         if trainer.is_global_zero:
             checkpoint.publish(
@@ -313,7 +335,8 @@ def train(
     train_loader, val_loader = _loaders(job)
     steps_per_epoch = len(train_loader)
     max_steps = min(t.num_epochs * steps_per_epoch, t.max_steps or math.inf)
-    durable = Durability(config, out / "checkpoints", out, int(max_steps))
+    resume = checkpoint.resolve(resume_from)
+    durable = Durability(config, out / "checkpoints", out, int(max_steps), resume)
     # Two embedding lookups and small MLPs per row: no model-FLOPs estimate, so no MFU.
     meter = EfficiencyMeter(strategy.device)
     efficiency = Efficiency(meter, config.data.label_column)
@@ -345,11 +368,12 @@ def train(
     # Lightning has no option to leave SIGTERM alone: its (private) connector is swapped.
     leave_sigterm_to_launcher(trainer)
     module = TwoTowerModule(job, strategy)
-    resume = checkpoint.resolve(resume_from)
     if resume is not None:
         runtime.print0(f"resuming from {resume} at step {checkpoint.read_meta(resume)['step']}")
     ckpt = str(resume / LIGHTNING_CHECKPOINT) if resume is not None else None
-    trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt)
+    # Checkpoints are data: Lightning's loads refuse pickled code (the folder is checked
+    # whole by `checkpoint.resolve` first, naming any such file).
+    trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt, weights_only=True)
     if durable.stopped_at is not None:
         saved = f"checkpoint {checkpoint.latest_checkpoint(out / 'checkpoints')}"
         runtime.print0(f"stop requested: stopped after step {durable.stopped_at}; {saved}")
@@ -367,7 +391,11 @@ def train(
     # The best weights by validation AUROC, back in the module on every rank (sharded as the
     # technique keeps them), then gathered whole for export.
     validated = trainer.validate(
-        module, val_loader, ckpt_path="best" if best.best_model_path else None, verbose=False
+        module,
+        val_loader,
+        ckpt_path="best" if best.best_model_path else None,
+        verbose=False,
+        weights_only=True,
     )
     state = gather_full_state_dict(module.towers)
     if trainer.is_global_zero:
