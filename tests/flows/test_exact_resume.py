@@ -210,3 +210,49 @@ def test_two_tower_resumes_exactly(tmp_path):
     data = prepare_dataset(config.data_config())
     job = TwoTowerJob(config=config, data=data, item_categories=item_categories(config, data))
     _assert_resumed_exactly(job, config, tmp_path)
+
+
+def test_sft_counts_the_whole_runs_tokens_after_a_resume(tmp_path):
+    """`train_num_tokens` of a run resumed from a checkpoint is the whole run's count, as the
+    uninterrupted run's; `train_num_tokens_since_resume` is the part trained after it."""
+    from tests.unit.conftest_data import chat_config
+    from trainflow.configs.sft import SFTJob, load_sft_preset
+    from trainflow.data import prepare_dataset
+
+    saved_at, steps = 2, 4
+    (tmp_path / "chat").mkdir()
+    data = prepare_dataset(chat_config(tmp_path / "chat", num_rows=64))
+    preset = load_sft_preset("debug_cpu")
+    config = preset.model_copy(
+        update={
+            "max_steps": steps,
+            "checkpoint_every": saved_at,
+            "training": preset.training.model_copy(
+                update={"per_device_batch_size": 4, "logging_steps": 1}
+            ),
+        }
+    )
+
+    def run(out: Path, resume_from: Path | None = None) -> Any:
+        workload = Workload(
+            train_fn="trainflow.workloads.sft:train",
+            model_fn="trainflow.workloads.sft:build_model",
+            config=SFTJob(config=config, data=data),
+            output_dir=str(out),
+            framework="hf",
+            resume_from=str(resume_from) if resume_from else None,
+        )
+        options = config.resources.launch_options()
+        return launch(run_on_rank, (workload, config.technique), options=options).values[0]
+
+    full = run(tmp_path / "full")
+    resumed = run(
+        tmp_path / "resumed", tmp_path / "full" / "checkpoints" / f"checkpoint-{saved_at}"
+    )
+    total = full.metrics["train_num_tokens"]
+    before = full.history[saved_at]["num_tokens"]
+    assert 0 < before < total
+    assert resumed.metrics["train_num_tokens"] == total
+    assert resumed.metrics["train_num_tokens_since_resume"] == total - before
+    assert full.metrics["train_num_tokens_since_resume"] == total  # never resumed
+    assert sorted(resumed.history) == list(range(saved_at + 1, steps + 1))

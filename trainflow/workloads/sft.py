@@ -268,7 +268,11 @@ class ProgressCallback(TrainerCallback):
         started = time.perf_counter()
         numbers = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, int | float)}
         if "loss" in numbers:  # a training log, not the end-of-training summary
-            metrics = {k: v for k, v in numbers.items() if k != "epoch"}
+            # (The Trainer's `train_*` speed figures of this process are summed up at the end.)
+            metrics = {
+                k: v for k, v in numbers.items() if k != "epoch" and not k.startswith("train_")
+            }
+            run_tokens(metrics)
             self.history[state.global_step] = metrics
             self.sink.log(state.global_step, {f"train_{k}": v for k, v in metrics.items()})
             self.progress.update(state.global_step)
@@ -277,6 +281,20 @@ class ProgressCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.sink.flush()
         self.progress.update(state.global_step)
+
+
+def run_tokens(metrics: dict[str, float]) -> None:
+    """Make `num_tokens` the run's non-padding tokens, resumed parts included, in a training
+    log's `metrics`, and `num_tokens_since_resume` those of this process alone.
+
+    TRL's `num_tokens` counts from 0 in each process; the Trainer's `num_input_tokens_seen`
+    (counted the same way: the attention mask's ones, over every rank) is in its checkpointed
+    state, so a resumed run continues it.
+    """
+    if "num_input_tokens_seen" in metrics:
+        if "num_tokens" in metrics:
+            metrics["num_tokens_since_resume"] = metrics["num_tokens"]
+        metrics["num_tokens"] = metrics.pop("num_input_tokens_seen")
 
 
 class EfficiencyCallback(TrainerCallback):
@@ -556,6 +574,8 @@ def _trainer_config(config: SFTConfig, strategy: Strategy, model: Any, out: Path
         data_seed=t.seed,
         max_length=config.max_length,
         dataloader_num_workers=0,
+        # Counted into the Trainer's checkpointed state: `num_tokens` is the whole run's.
+        include_num_input_tokens_seen="non_padding",
         dataset_kwargs={"skip_prepare_dataset": True},
         disable_tqdm=True,
         **(technique | precision_arguments(config)),
