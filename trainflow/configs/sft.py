@@ -12,7 +12,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from trainflow.configs.base import PipelineConfig
 from trainflow.data.config import PRESETS_DIR as DATA_PRESETS_DIR
-from trainflow.data.config import REPO_ROOT, ChatTransform, DataConfig, PreparedDataset, load_preset
+from trainflow.data.config import (
+    REPO_ROOT,
+    ChatTransform,
+    DataConfig,
+    PreparedDataset,
+    load_preset,
+    name_for_file,
+)
 from trainflow.gate import Threshold, gate_failures
 from trainflow.memory import TrainingSetup
 from trainflow.paths import SafeName
@@ -197,6 +204,21 @@ class SFTConfig(PipelineConfig):
         default="sft", description="MLflow registered model to add a version to."
     )
 
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, dataset: str) -> str:
+        """A check of the field itself, so a refusal names the option (`--dataset`)."""
+        known = sorted(p.stem for p in DATA_PRESETS_DIR.glob("*.yaml"))
+        if _looks_like_a_file(dataset):
+            if not Path(dataset).expanduser().is_file():
+                raise ValueError(f"dataset file {dataset!r} does not exist")
+        elif dataset not in known and "/" not in dataset:
+            raise ValueError(
+                f"dataset {dataset!r} is neither a data preset {known}, a local file nor a "
+                "Hub id (owner/name)"
+            )
+        return dataset
+
     @field_validator("technique", mode="before")
     @classmethod
     def _technique_by_name(cls, value: Any) -> Any:
@@ -225,15 +247,6 @@ class SFTConfig(PipelineConfig):
                     f"gradient_checkpointing=true but technique.{option}=false: "
                     f"under {technique.name} they are the same option; set one"
                 )
-        known = sorted(p.stem for p in DATA_PRESETS_DIR.glob("*.yaml"))
-        if _looks_like_a_file(self.dataset):
-            if not Path(self.dataset).expanduser().is_file():
-                raise ValueError(f"dataset file {self.dataset!r} does not exist")
-        elif self.dataset not in known and "/" not in self.dataset:
-            raise ValueError(
-                f"dataset {self.dataset!r} is neither a data preset {known}, a local file nor a "
-                "Hub id (owner/name)"
-            )
         return self
 
     def training_fields(self) -> dict[str, Any]:
@@ -310,7 +323,7 @@ class SFTConfig(PipelineConfig):
             return data.model_copy(update={"transform": transform})
         if _looks_like_a_file(self.dataset):
             path = Path(self.dataset).expanduser()
-            name, source = path.stem, {"kind": "files", "files": {"train": [str(path)]}}
+            name, source = name_for_file(path), {"kind": "files", "files": {"train": [str(path)]}}
         else:
             name, source = self.dataset.replace("/", "--"), {"kind": "hub", "name": self.dataset}
         return DataConfig.model_validate(

@@ -7,7 +7,7 @@ Presets are YAML files under `trainflow/presets/two_tower/` loaded into the same
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainflow.configs.base import PipelineConfig
 from trainflow.data.config import (
@@ -17,6 +17,7 @@ from trainflow.data.config import (
     TabularTransform,
     ValidationSplit,
     load_preset,
+    name_for_file,
 )
 from trainflow.data.config import PRESETS_DIR as DATA_PRESETS_DIR
 from trainflow.gate import Threshold
@@ -65,6 +66,22 @@ class InteractionData(_Model):
     test_fraction: float = Field(
         default=0.1, gt=0, lt=1, description="Share of all rows the test split takes (the latest)."
     )
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, dataset: str) -> str:
+        """A check of the field itself, so a refusal names the option (`--data-dataset`)."""
+        known = sorted(p.stem for p in DATA_PRESETS_DIR.glob("*.yaml"))
+        if dataset not in known:
+            path = Path(dataset).expanduser()
+            if path.suffix.lower() not in FORMATS_BY_SUFFIX:
+                raise ValueError(
+                    f"{dataset!r} is neither a data preset {known} nor a "
+                    f"file ending in {sorted(FORMATS_BY_SUFFIX)}"
+                )
+            if not path.is_file():
+                raise ValueError(f"file {dataset!r} does not exist")
+        return dataset
 
     def columns(self) -> dict[str, str]:
         """Config field -> source column, for the columns the towers read."""
@@ -165,16 +182,6 @@ class TwoTowerConfig(PipelineConfig):
     def _check(self) -> "TwoTowerConfig":
         self.technique.check_world_size(self.gpus)
         check_framework(self.technique, "lightning")
-        known = sorted(p.stem for p in DATA_PRESETS_DIR.glob("*.yaml"))
-        if self.data.dataset not in known:
-            path = Path(self.data.dataset).expanduser()
-            if path.suffix.lower() not in FORMATS_BY_SUFFIX:
-                raise ValueError(
-                    f"data.dataset {self.data.dataset!r} is neither a data preset {known} nor a "
-                    f"file ending in {sorted(FORMATS_BY_SUFFIX)}"
-                )
-            if not path.is_file():
-                raise ValueError(f"data.dataset: file {self.data.dataset!r} does not exist")
         names = self.data.columns() | {"time_column": self.data.time_column}
         if len(set(names.values())) != len(names):
             raise ValueError(f"data: each column must have one role, got {names}")
@@ -207,7 +214,7 @@ class TwoTowerConfig(PipelineConfig):
         else:
             path = Path(d.dataset).expanduser().resolve()
             source = {"kind": "files", "files": {"train": [str(path)]}}  # type: ignore[assignment]
-            name, id_column = path.stem, None
+            name, id_column = name_for_file(path), None
         return DataConfig.model_validate(
             {
                 "name": name,

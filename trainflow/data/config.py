@@ -5,13 +5,13 @@ how rows become training columns (`transform`, chosen by name) and how the MDS s
 written. Validators reject bad input before any file is read.
 """
 
+import re
+import unicodedata
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from trainflow.paths import safe_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESETS_DIR = Path(__file__).with_name("presets")
@@ -39,6 +39,42 @@ ScalarType = Literal[
     "float64",
     "str",
 ]
+
+
+# A dataset name is one path component: letters and digits of any script, '.', '_', '-'.
+MAX_NAME_BYTES = 128
+_NAME_CHAR = re.compile(r"[\w.-]")
+
+
+def _name_char(c: str) -> bool:
+    return bool(_NAME_CHAR.match(c) or unicodedata.combining(c))
+
+
+def _name_problem(name: str) -> str | None:
+    if not name or not name[0].isalnum():
+        return "it must start with a letter or digit"
+    bad = sorted({c for c in name if not _name_char(c)})
+    if bad:
+        return f"it has {''.join(bad)!r}; use letters, digits, '.', '_' or '-'"
+    if len(name.encode()) > MAX_NAME_BYTES:
+        return f"it is {len(name.encode())} bytes in UTF-8, more than {MAX_NAME_BYTES}"
+    return None
+
+
+def name_for_file(path: str | Path) -> str:
+    """A dataset name for the file at `path`: its name less the extension, with each run of
+    characters a name cannot hold (spaces, brackets, ...) turned into '-', and cut to fit.
+
+    Letters of any script are kept (`données-训练.jsonl` -> `données-训练`).
+    """
+    stem = unicodedata.normalize("NFC", Path(path).stem)
+    kept = "".join(c if _name_char(c) else " " for c in stem)
+    name = re.sub(r" +", "-", kept.strip())
+    while name and not name[0].isalnum():
+        name = name[1:]
+    while len(name.encode()) > MAX_NAME_BYTES:
+        name = name[:-1]
+    return name or "data"
 
 
 class _Model(BaseModel):
@@ -245,7 +281,11 @@ class DataConfig(_Model):
     @field_validator("name")
     @classmethod
     def _safe_name(cls, name: str) -> str:
-        return safe_name(name, "name")
+        name = unicodedata.normalize("NFC", name)
+        problem = _name_problem(name)
+        if problem is not None:
+            raise ValueError(f"name {name!r} cannot name a dataset folder: {problem}")
+        return name
 
     @field_validator("compression")
     @classmethod
