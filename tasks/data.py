@@ -3,7 +3,7 @@
 The cache key is the dataset's URI, which already encodes the source's content, the
 tokenizer's content and every option (`trainflow.data.dataset_uri`); results are persisted, so
 a re-run anywhere that shares the result store is a `Cached` state that does no work. If the
-published dataset was deleted since, the record is refreshed instead of returned.
+published dataset was deleted or damaged since, the record is refreshed instead of returned.
 
 The content fingerprint reads every source and tokenizer file, so `prepare_dataset` computes it
 once and hands it to the lookup, the cache key and the build. `trainflow.data.prepare` (which

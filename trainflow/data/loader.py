@@ -20,7 +20,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -29,9 +29,9 @@ from streaming import StreamingDataLoader, StreamingDataset
 
 from trainflow.data.config import LoaderConfig
 from trainflow.data.errors import DataError
-from trainflow.data.paths import join_uri, stream_cache_dir
+from trainflow.data.paths import is_remote, join_uri, stream_cache_dir
 from trainflow.data.shm import clean_stale_streaming_state
-from trainflow.data.store import read_index, read_manifest
+from trainflow.data.store import damage, mark_damaged, read_index, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +88,14 @@ class _CheckedStreamingDataset(StreamingDataset):
             if error.__cause__ is None:
                 raise
             stream = self.streams[0]
+            remote, split = str(stream.remote), str(stream.split)
+            if not is_remote(remote):
+                # Name (and mark) the published shard if it is the one damaged, not the
+                # cached copy streaming names.
+                verify_published_split(remote, split)
+            cause = str(error.__cause__).replace(str(stream.local), remote)
             raise DataError(
-                f"reading split {stream.split!r} of {stream.remote} stopped early: "
-                f"{error.__cause__}"
+                f"reading split {split!r} of {remote} stopped early: {cause}"
             ) from error.__cause__
 
 
@@ -224,6 +229,73 @@ def _stamp(path: Path) -> tuple[int, ...]:
     return (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_dev)
 
 
+def _file_problem(path: Path, info: dict[str, Any], algos: Sequence[str]) -> str | None:
+    """What is wrong with one shard file against its index entry (`raw_data`/`zip_data`):
+    its size, or its hash in the first of `algos` the index has; None when intact.
+
+    A file found intact is remembered with its stamp and not read again while that holds.
+    """
+    from streaming.base.hashing import get_hash
+
+    hashes = info.get("hashes") or {}
+    algo = next((a for a in algos if a in hashes), None)
+    expected = (info["bytes"], algo, hashes.get(algo) if algo else None)
+    stamp = _stamp(path)
+    if _verified.get(path) == (stamp, expected):
+        return None
+    _verified.pop(path, None)
+    data = path.read_bytes()
+    if len(data) != info["bytes"]:
+        return f"{len(data)} bytes; its index says {info['bytes']}"
+    if algo is not None and get_hash(algo, data) != hashes[algo]:
+        return f"its {algo} does not match its index"
+    _verified[path] = (stamp, expected)
+    return None
+
+
+def verify_published_split(uri: str, split: str) -> None:
+    """Check every shard file of a split of the local published dataset at `uri` against the
+    hashes in its index, as `streaming` does for the copies it fetches.
+
+    For readers that read the published files in place (`streaming.LocalDataset`). A damaged
+    dataset is marked so (`store.mark_damaged`), and the next prepare rebuilds it. A file
+    checked intact earlier in this process is not read again while it is unchanged.
+
+    Raises:
+        DataError: naming the damaged or missing file, or when `uri` holds no dataset or split.
+    """
+    manifest = read_manifest(uri)
+    if manifest is None:
+        raise DataError(f"no published dataset at {uri} (its manifest.json is missing)")
+    if split not in manifest["splits"]:
+        raise DataError(
+            f"split {split!r} not in dataset {uri}; it has {sorted(manifest['splits'])}"
+        )
+    folder = Path(uri) / split
+    index = read_index(uri, split)
+    if index is None:
+        _damaged(uri, f"{folder / 'index.json'} is missing")
+    for shard in json.loads(index)["shards"]:
+        files = [info for info in (shard.get("raw_data"), shard.get("zip_data")) if info]
+        present = [info for info in files if (folder / info["basename"]).is_file()]
+        if not present:
+            _damaged(uri, f"{folder / files[0]['basename']} is missing")
+        for info in present:
+            path = folder / info["basename"]
+            problem = _file_problem(path, info, manifest.get("hashes") or [])
+            if problem is not None:
+                _damaged(uri, f"shard {path}: {problem}")
+
+
+def _damaged(uri: str, problem: str) -> NoReturn:
+    """Mark the published dataset at `uri` damaged and raise, naming `problem`."""
+    mark_damaged(uri, problem)
+    raise DataError(
+        f"the published dataset {uri} is damaged: {problem}. It is marked damaged; the next "
+        "prepare of it (the next run) rebuilds it"
+    )
+
+
 def verify_cached_split(uri: str, split: str, cache: Path, algos: Sequence[str]) -> list[str]:
     """Remove cached copies of a split's files that no longer match the published dataset.
 
@@ -240,8 +312,6 @@ def verify_cached_split(uri: str, split: str, cache: Path, algos: Sequence[str])
 
     Call once per node (local rank 0) before the split is opened. Returns the files removed.
     """
-    from streaming.base.hashing import get_hash
-
     folder = cache / split
     cached_index = folder / "index.json"
     if not cached_index.is_file():
@@ -259,20 +329,7 @@ def verify_cached_split(uri: str, split: str, cache: Path, algos: Sequence[str])
             path = folder / info["basename"] if info else None
             if path is None or not path.is_file():
                 continue
-            hashes = info.get("hashes") or {}
-            algo = next((a for a in algos if a in hashes), None)
-            expected = (info["bytes"], algo, hashes.get(algo) if algo else None)
-            stamp = _stamp(path)
-            if _verified.get(path) == (stamp, expected):
-                continue
-            data = path.read_bytes()
-            intact = len(data) == info["bytes"]
-            if intact and algo is not None:
-                intact = get_hash(algo, data) == hashes[algo]
-            if intact:
-                _verified[path] = (stamp, expected)
-            else:
-                _verified.pop(path, None)
+            if _file_problem(path, info, algos) is not None:
                 path.unlink()
                 removed.append(str(path))
     if removed:
@@ -322,6 +379,11 @@ def build_dataloader(
     if split not in manifest["splits"]:
         raise DataError(
             f"split {split!r} not in dataset {uri}; it has {sorted(manifest['splits'])}"
+        )
+    if (problem := damage(uri, manifest)) is not None:
+        raise DataError(
+            f"the published dataset {uri} is damaged: {problem}. The next prepare of it (the "
+            "next run) rebuilds it"
         )
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         if config.clean_stale_shared_memory:

@@ -32,6 +32,7 @@ from trainflow.data.store import (
     Out,
     Publication,
     check_writable,
+    damage,
     publishing,
     read_manifest,
 )
@@ -86,10 +87,21 @@ def find_published(config: DataConfig, fingerprint: str | None = None) -> Prepar
     """
     fingerprint = fingerprint or dataset_fingerprint(config)
     uri = dataset_uri(config, fingerprint)
+    manifest = _whole_manifest(uri, fingerprint)
+    return None if manifest is None else _result(uri, manifest, cache_hit=True)
+
+
+def _whole_manifest(uri: str, fingerprint: str) -> dict[str, Any] | None:
+    """The manifest of the dataset published at `uri`, or None when there is none, it is of
+    other content, or it is damaged (then it is rebuilt: the warning names what is wrong)."""
     manifest = read_manifest(uri)
     if manifest is None or manifest.get("fingerprint") != fingerprint:
         return None
-    return _result(uri, manifest, cache_hit=True)
+    problem = damage(uri, manifest)
+    if problem is not None:
+        logger.warning("the published dataset %s is damaged (%s); rebuilding it", uri, problem)
+        return None
+    return manifest
 
 
 def _result(uri: str, manifest: dict[str, Any], cache_hit: bool) -> PreparedDataset:
@@ -211,8 +223,8 @@ def prepare_dataset(config: DataConfig, fingerprint: str | None = None) -> Prepa
     check_writable(root)
     fingerprint = fingerprint or dataset_fingerprint(config)
     uri = dataset_uri(config, fingerprint)
-    manifest = read_manifest(uri)
-    if manifest is not None and manifest.get("fingerprint") == fingerprint:
+    manifest = _whole_manifest(uri, fingerprint)
+    if manifest is not None:
         logger.info("cache hit: %s is already published; nothing to do", uri)
         return _result(uri, manifest, cache_hit=True)
 

@@ -57,12 +57,20 @@ def read_split(uri: str, split: str) -> Split:
     """Every image of a prepared split with its targets, decoded (the dataset is small).
 
     Each rank reads the whole split from the published MDS shards and draws its slice of
-    each step's batch itself, so no rank depends on how `streaming` would partition it.
+    each step's batch itself, so no rank depends on how `streaming` would partition it. The
+    shards are read in place, so their hashes are checked here first (`streaming` checks
+    only the copies it fetches into a cache).
+
+    Raises:
+        DataError: naming a damaged or missing shard file of the published dataset.
     """
     from streaming import LocalDataset
 
+    from trainflow.data.loader import verify_published_split
+
     if is_remote(uri):
         raise DataError(f"detection reads its dataset from a local folder, not {uri}")
+    verify_published_split(uri, split)
     samples = LocalDataset(local=uri, split=split)
     out: Split = []
     for i in range(len(samples)):
