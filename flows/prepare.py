@@ -31,16 +31,17 @@ def _config_from_args(argv: list[str] | None = None) -> DataConfig:
 def main(argv: list[str] | None = None) -> PreparedDataset:
     """Parse, check the local files, then prepare under a local Prefect server if none is set.
 
-    Bad input (an option, a missing file, a row that does not parse, a column the transform
-    needs) exits 2 with one line naming it, before the server starts; a data error found
-    later exits 1 the same way, not with a traceback.
+    Bad input (an option, more processes than cores, a missing file, a row that does not
+    parse, a column the transform needs) exits 2 with one line naming it, before the server
+    starts; a data error found later exits 1 the same way, not with a traceback.
     """
     from flows.local_server import local_prefect_server
-    from trainflow.data.checks import check_files
+    from trainflow.data.checks import check_files, check_num_proc
     from trainflow.data.errors import DataError
 
     config = _config_from_args(argv)
     try:
+        check_num_proc(config.num_proc, "--num-proc")
         check_files(config)
     except DataError as exc:
         print(f"python -m flows.prepare: error: {exc}", file=sys.stderr)

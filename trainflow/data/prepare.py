@@ -217,8 +217,12 @@ def prepare_dataset(config: DataConfig, fingerprint: str | None = None) -> Prepa
 
     Raises:
         DataError: On bad input (missing file, column or split, empty split, wrong type,
-            tokenizer without chat template, output root not writable).
+            tokenizer without chat template, output root not writable, more processes than
+            cores).
     """
+    from trainflow.data.checks import check_num_proc
+
+    check_num_proc(config.num_proc)
     root = output_root(config)
     check_writable(root)
     fingerprint = fingerprint or dataset_fingerprint(config)

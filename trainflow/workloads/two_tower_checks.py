@@ -25,6 +25,8 @@ def check_config(config: TwoTowerConfig) -> None:
         check_files(data)
     except DataError as err:
         for field, column in config.data.columns().items():
+            if f"column {column!r}" not in str(err):
+                continue
             try:
                 check_files(_reading_only(data, column))
             except DataError:
@@ -65,6 +67,9 @@ def check_config(config: TwoTowerConfig) -> None:
 
 
 def _reading_only(data: Any, column: str) -> Any:
-    """`data` with a transform that reads just `column` (to tell which column is missing)."""
-    transform = data.transform.model_copy(update={"columns": {column: "int64"}})
+    """`data` with a transform that reads just `column` (to tell which column is missing or
+    holds a bad value)."""
+    transform = data.transform.model_copy(
+        update={"columns": {column: data.transform.columns[column]}}
+    )
     return data.model_copy(update={"transform": transform})
