@@ -9,7 +9,13 @@ launcher's options for it.
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trainflow.launch.plan import LaunchPlan, ResourceError, node_range, plan_launch
+from trainflow.launch.plan import (
+    LaunchPlan,
+    ResourceError,
+    known_gpu_type,
+    node_range,
+    plan_launch,
+)
 from trainflow.launch.spec import LaunchOptions
 
 
@@ -76,6 +82,15 @@ class Resources(BaseModel):
         except ResourceError as exc:
             raise ValueError(str(exc)) from None
         return high if low == high else f"{low}:{high}"
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _check_gpu_type(cls, value: str | None) -> str | None:
+        try:
+            known_gpu_type(value)
+        except ResourceError as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
     def launch_plan(self) -> LaunchPlan:
         """Where these resources will run (`plan_launch`), checked before anything starts."""

@@ -30,7 +30,12 @@ from trainflow.launch import standby as standby_agents
 from trainflow.launch.environment import interpreter, launch_env, start_method
 from trainflow.launch.local import LocalLaunch
 from trainflow.launch.logs import print_line
-from trainflow.launch.plan import node_range, ray_cluster_address, resolve_resources
+from trainflow.launch.plan import (
+    check_cpu_oversubscription,
+    node_range,
+    ray_cluster_address,
+    resolve_resources,
+)
 from trainflow.launch.ray_placement import RayLaunch, ray_address
 from trainflow.launch.ship import Shipment, ship
 from trainflow.launch.spec import (
@@ -205,6 +210,7 @@ def standby(
     if os.environ.get(STANDBY_ENV) == "0":
         return AgentAhead()
     res = resolve_resources(options.gpus, options.gpu_type, options.nnodes)
+    check_cpu_oversubscription(res)
     key = standby_agents.AgentKey(launch_env(options, res), start_method(res), interpreter(options))
     return standby_agents.prewarm(key, preload, check, then)
 

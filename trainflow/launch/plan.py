@@ -112,27 +112,37 @@ class LaunchPlan:
 # CPU ranks beyond this many per core are refused before launch: each rank is a full process
 # with its own model copy, and past it a run spends its time switching, not training.
 MAX_CPU_RANKS_PER_CORE = 4
+# Set to a number of CPU ranks per node to allow up to that many, whatever the cores.
+MAX_CPU_RANKS_ENV = "TRAINFLOW_MAX_CPU_RANKS"
 
 
 def check_cpu_oversubscription(plan: "LaunchPlan", cores: int | None = None) -> None:
     """Warn when CPU ranks outnumber this node's cores; refuse far beyond that.
+
+    The limit is `MAX_CPU_RANKS_PER_CORE` per core, or `TRAINFLOW_MAX_CPU_RANKS` when set.
 
     Args:
         plan: A resolved launch plan (only CPU plans are checked).
         cores: Cores on this node; `os.cpu_count()` when not given.
 
     Raises:
-        ResourceError: more than `MAX_CPU_RANKS_PER_CORE` ranks per core.
+        ResourceError: more CPU ranks per node than the limit, naming both figures.
     """
     if plan.device != "cpu" or plan.cluster:
         return  # a cluster reserves one CPU per CPU rank itself
     cores = cores or os.cpu_count() or 1
     limit = MAX_CPU_RANKS_PER_CORE * cores
+    why = f"{MAX_CPU_RANKS_PER_CORE} per core"
+    override = os.environ.get(MAX_CPU_RANKS_ENV, "").strip()
+    if override:
+        if not override.isdigit() or int(override) < 1:
+            raise ResourceError(f"{MAX_CPU_RANKS_ENV}={override!r}: give a positive number")
+        limit, why = int(override), f"{MAX_CPU_RANKS_ENV}={override}"
     if plan.nproc_per_node > limit:
         raise ResourceError(
             f"gpus={plan.world_size} would start {plan.nproc_per_node} CPU ranks on a node with "
-            f"{cores} cores; at most {limit} ({MAX_CPU_RANKS_PER_CORE} per core) are allowed. "
-            "Ask for fewer ranks, or for GPUs."
+            f"{cores} cores; at most {limit} ({why}) are allowed. Ask for fewer ranks, or for "
+            f"GPUs, or set {MAX_CPU_RANKS_ENV} to the most CPU ranks a node may run."
         )
     if plan.nproc_per_node > cores:
         logger.warning(
@@ -152,6 +162,57 @@ def gpu_name_matches(requested: str, actual: str) -> bool:
     if not want:
         return False
     return any(have[i : i + len(want)] == want for i in range(len(have) - len(want) + 1))
+
+
+# GPU models a `gpu_type` may name, as whole words of the device's name ("H100" in "NVIDIA H100
+# 80GB HBM3"); an accelerator type ("GPU_8xH100") names one of them with its node size.
+KNOWN_GPUS = (
+    "A10",
+    "A10G",
+    "A100",
+    "A800",
+    "B100",
+    "B200",
+    "B300",
+    "GB200",
+    "GB300",
+    "GH200",
+    "H100",
+    "H200",
+    "H800",
+    "L4",
+    "L40",
+    "L40S",
+    "T4",
+    "V100",
+)
+# Workstation and consumer boards, named by family and number ("RTX 4090", "RTX A6000").
+_BOARD_NAME = re.compile(r"(RTX|GTX|QUADRO|TESLA)[\s_-]*[A-Z]*\d{2,4}\w*", re.IGNORECASE)
+
+
+def known_gpu_type(gpu_type: str | None, field: str = "gpu_type") -> str | None:
+    """`gpu_type` as the launch matches it: None, "cpu", or a GPU name.
+
+    An accelerator type ("GPU_8xH100") stands for its GPU ("H100"); a GPU name is kept as
+    given when it names a known GPU ("H100", "NVIDIA A100-SXM4-80GB", "RTX 4090").
+
+    Raises:
+        ResourceError: an unknown name ("banana"), naming `field` and listing the known ones.
+    """
+    if gpu_type is None:
+        return None
+    name = gpu_type.strip()
+    if name.lower() == "cpu":
+        return "cpu"
+    if is_accelerator_name(name):
+        return accelerator_type(name, field).gpu_type
+    if any(gpu_name_matches(known, name) for known in KNOWN_GPUS) or _BOARD_NAME.search(name):
+        return name
+    raise ResourceError(
+        f"{field}={gpu_type!r} is not a GPU type trainflow knows; known: 'cpu', "
+        f"{', '.join(KNOWN_GPUS)} (or a board such as 'RTX 4090'), and the accelerator types "
+        f"{', '.join(ACCELERATOR_TYPES)}"
+    )
 
 
 def node_range(nnodes: object) -> tuple[int, int]:
@@ -220,7 +281,8 @@ def cluster_plan(gpus: int, gpu_type: str | None, nnodes: int | str, address: st
             f"gpus={gpus} does not divide evenly across nnodes={high}: "
             "each node runs gpus // nnodes ranks"
         )
-    cpu = gpu_type is None or gpu_type.strip().lower() == "cpu"
+    gpu_type = known_gpu_type(gpu_type)
+    cpu = gpu_type is None or gpu_type == "cpu"
     return LaunchPlan("cpu" if cpu else "cuda", gpus // high, high, min_nodes=low, cluster=address)
 
 
@@ -253,7 +315,8 @@ def resolve_resources(
             "each node runs gpus // nnodes ranks"
         )
     per_node = gpus // nnodes
-    if gpu_type is not None and gpu_type.strip().lower() == "cpu":
+    gpu_type = known_gpu_type(gpu_type)
+    if gpu_type == "cpu":
         return LaunchPlan("cpu", per_node, nnodes, min_nodes=min_nodes)
 
     inventory = inventory if inventory is not None else GpuInventory.detect()
@@ -314,16 +377,16 @@ def is_accelerator_name(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and re.fullmatch(r"GPU_\d+x\w+", value.strip(), re.I) is not None
 
 
-def accelerator_type(name: str) -> AcceleratorType:
+def accelerator_type(name: str, field: str = "accelerator_type") -> AcceleratorType:
     """The accelerator type called `name`.
 
     Raises:
-        ResourceError: an unknown name, naming `accelerator_type` and listing the known ones.
+        ResourceError: an unknown name, naming `field` and listing the known ones.
     """
     kind = ACCELERATOR_TYPES.get(name)
     if kind is None:
         raise ResourceError(
-            f"accelerator_type={name!r} is not an accelerator type; valid types: "
+            f"{field}={name!r} is not an accelerator type; valid types: "
             f"{', '.join(ACCELERATOR_TYPES)} (or a GPU name such as 'H100', or 'cpu', as "
             "gpu_type)"
         )
@@ -415,6 +478,7 @@ def place(
         count = default_count(kind, remote, inventory)
     count = check_count(count_name, count)
     if kind is None:
+        known_gpu_type(kind_or_gpu)  # "banana" fails here, with the known names
         return Placement(count, kind_or_gpu, 1 if nnodes is None else nnodes)
     nodes = accelerator_nodes(count, kind, count_name)
     if nnodes is not None and node_range(nnodes) != (nodes, nodes):
