@@ -112,3 +112,43 @@ def clean_stale_streaming_state() -> list[str]:
     if removed:
         logger.info("removed %d stale streaming files: %s", len(removed), removed)
     return removed
+
+
+def streaming_prefixes() -> set[str]:
+    """The prefixes of `streaming` shared memory in `/dev/shm` now (empty where there is none)."""
+    if not SHM_DIR.is_dir():
+        return set()
+    return {m.group(1) for p in SHM_DIR.iterdir() if (m := _SHM_NAME.match(p.name))}
+
+
+def release_streaming_state_since(before: set[str]) -> list[str]:
+    """Remove the `streaming` shared memory and lock files of prefixes that appeared since
+    `before` (taken with `streaming_prefixes` when a launch started) and that no process maps
+    any more: what the launch's ranks left when they were stopped (a hang, a failure, a kill),
+    without the `GRACE_S` wait, which is for memory that may not be mapped yet. Memory that
+    other runs map is kept.
+
+    Returns:
+        Paths removed.
+    """
+    new = streaming_prefixes() - before
+    if not new:
+        return []
+    live = _prefixes_in_use()
+    candidates = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()]
+    candidates += [(p, _LOCK_NAME) for p in Path(tempfile.gettempdir()).iterdir()]
+    removed = []
+    for path, pattern in candidates:
+        match = pattern.match(path.name)
+        if not match or match.group(1) not in new or match.group(1) in live:
+            continue
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(str(path))
+    if removed:
+        logger.info("removed %d streaming files the launch's ranks left: %s", len(removed), removed)
+    return removed

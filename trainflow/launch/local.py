@@ -14,6 +14,7 @@ import uuid
 from datetime import datetime
 
 from trainflow.compat.adaptations import read_adaptations
+from trainflow.data.shm import release_streaming_state_since, streaming_prefixes
 from trainflow.errors import LaunchConfigError
 from trainflow.launch import standby
 from trainflow.launch.environment import (
@@ -25,7 +26,12 @@ from trainflow.launch.environment import (
 )
 from trainflow.launch.failures import LaunchCase, collect
 from trainflow.launch.logs import LogTail, print_line
-from trainflow.launch.plan import LaunchPlan, node_range, resolve_resources
+from trainflow.launch.plan import (
+    LaunchPlan,
+    check_cpu_oversubscription,
+    node_range,
+    resolve_resources,
+)
 from trainflow.launch.run_dir import RunDir, keep_run_dirs, prune_run_dirs
 from trainflow.launch.ship import Shipment
 from trainflow.launch.spec import (
@@ -80,6 +86,7 @@ class LocalLaunch:
         not. Interrupted, it stops the ranks gracefully and re-raises."""
         opts = self.options
         res = resolve_resources(opts.gpus, opts.gpu_type, opts.nnodes)
+        check_cpu_oversubscription(res)  # 1000 CPU ranks on 2 cores: refused, nothing started
         prune_run_dirs(trainflow_home() / "runs", keep_run_dirs())
         rendezvous = self.rendezvous()
         python = interpreter(opts)
@@ -93,6 +100,7 @@ class LocalLaunch:
         rd.create(spec, shipment.payload, shipment.sources)
         self._announce(shipment.name, rd, res)
         case = LaunchCase(shipment.name, opts, rd, res, shipment.shipped)
+        streams_before = streaming_prefixes()
         try:
             key = standby.AgentKey(env, spec.start_method, python)
             proc = standby.claim(key, rd) or self._start_agent(rd, python, env)
@@ -110,6 +118,9 @@ class LocalLaunch:
                     "; ".join(adapted),
                 )
             rd.discard_payloads()  # on every path, Ctrl-C included
+            # Every process of the launch has ended: the data streams' shared memory its
+            # ranks left (stopped mid-epoch by a hang, a failure, Ctrl-C) goes too.
+            release_streaming_state_since(streams_before)
 
     def _spec(
         self,
