@@ -29,8 +29,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainflow.compat import stdlib
 from trainflow.compat import torch as compat_torch
 from trainflow.launch import worker
+from trainflow.launch.listen import bind_elastic_stores, node_address
 from trainflow.launch.run_dir import RunDir
-from trainflow.launch.spec import AGENT_PID_ENV, LaunchSpecError
+from trainflow.launch.spec import AGENT_PID_ENV, LaunchSpec, LaunchSpecError
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
@@ -228,6 +229,40 @@ def standby(log: str, preload: list[str], outcomes_fd: int) -> int:
     return main(run_dir, watching=True)
 
 
+def _launch_config(spec: LaunchSpec, rd: RunDir) -> LaunchConfig:
+    """torch elastic's configuration for the launch `spec` describes."""
+    rdzv_configs: dict[str, object] = {"timeout": spec.rdzv_timeout_s}
+    if spec.rdzv_is_host is not None:
+        # The launcher that placed the nodes says which one hosts the rendezvous store; two
+        # nodes on one host (or behind one address) would otherwise both try to.
+        rdzv_configs["is_host"] = spec.rdzv_is_host
+    # The stores this agent hosts listen on one address only: loopback for one node (its
+    # rendezvous is 127.0.0.1:0), else this node's address toward the rendezvous host.
+    address = node_address(spec.rdzv_endpoint.rpartition(":")[0])
+    bind_elastic_stores(address)
+    config = LaunchConfig(
+        min_nodes=spec.min_nodes or spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.nproc_per_node,
+        run_id=spec.run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=spec.rdzv_endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=spec.max_restarts,
+        monitor_interval=0.1,
+        start_method=spec.start_method,
+        logs_specs=DefaultLogsSpecs(log_dir=str(rd.elastic)),
+    )
+    if "local_addr" in LaunchConfig.__dataclass_fields__:
+        # The ranks' MASTER_ADDR, and where the store they share listens.
+        setattr(config, "local_addr", address)  # noqa: B010
+    # torch before 2.8 (a framework's own environment) has no `shutdown_timeout`: its agent
+    # then keeps its fixed 30 s grace. Seconds may be fractional, as torch's wait takes them.
+    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:
+        setattr(config, "shutdown_timeout", spec.shutdown_timeout_s)  # noqa: B010
+    return config
+
+
 def main(run_dir: str, watching: bool = False) -> int:
     global _run_dir
     rd = _run_dir = RunDir(Path(run_dir))
@@ -247,28 +282,7 @@ def main(run_dir: str, watching: bool = False) -> int:
     tempfile.tempdir = str(rd.elastic_tmp)
     rd.elastic_tmp.mkdir(parents=True, exist_ok=True)
 
-    rdzv_configs: dict[str, object] = {"timeout": spec.rdzv_timeout_s}
-    if spec.rdzv_is_host is not None:
-        # The launcher that placed the nodes says which one hosts the rendezvous store; two
-        # nodes on one host (or behind one address) would otherwise both try to.
-        rdzv_configs["is_host"] = spec.rdzv_is_host
-    config = LaunchConfig(
-        min_nodes=spec.min_nodes or spec.nnodes,
-        max_nodes=spec.nnodes,
-        nproc_per_node=spec.nproc_per_node,
-        run_id=spec.run_id,
-        rdzv_backend="c10d",
-        rdzv_endpoint=spec.rdzv_endpoint,
-        rdzv_configs=rdzv_configs,
-        max_restarts=spec.max_restarts,
-        monitor_interval=0.1,
-        start_method=spec.start_method,
-        logs_specs=DefaultLogsSpecs(log_dir=str(rd.elastic)),
-    )
-    # torch before 2.8 (a framework's own environment) has no `shutdown_timeout`: its agent
-    # then keeps its fixed 30 s grace. Seconds may be fractional, as torch's wait takes them.
-    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:
-        setattr(config, "shutdown_timeout", spec.shutdown_timeout_s)  # noqa: B010
+    config = _launch_config(spec, rd)
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # the ranks' parent (see `worker`)
     try:
         elastic_launch(config, worker.main)(str(rd.path))

@@ -48,8 +48,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -67,8 +65,10 @@ from trainflow.errors import (
     first_line,
     is_root_cause,
 )
+from trainflow.launch.listen import node_address, tcp_store_server
 from trainflow.launch.local import LocalLaunch
 from trainflow.launch.plan import node_range
+from trainflow.launch.run_dir import request_stop, stop_path
 from trainflow.launch.ship import Shipment
 from trainflow.launch.spec import (
     AGENT_PID_ENV,
@@ -213,10 +213,11 @@ class Board:
         host, port = board_address(address)
         store_cls = import_tcp_store()
         try:
-            store = store_cls(
-                host,
+            # Only on the address followers reach it through, not every interface.
+            store = tcp_store_server(
+                store_cls,
+                node_address(host),
                 port,
-                is_master=True,
                 wait_for_workers=False,
                 timeout=timedelta(seconds=STORE_TIMEOUT_S),
             )
@@ -338,7 +339,7 @@ class _Watch:
         while not self.finished.wait(POLL_S):
             if self.user_stop and os.path.exists(self.user_stop):
                 self.user_stopped = True
-                self.stop.touch()
+                request_stop(self.stop)
                 return
             try:
                 outcomes = self.board.outcomes(self.number, self.nodes)
@@ -352,7 +353,7 @@ class _Watch:
             if failure_rank(exc) == 1 and time.monotonic() - first_error_at < COLLECTIVE_GRACE_S:
                 continue  # it lost a peer: the leader's own share may say which, and why
             self.failure = (node, exc)
-            self.stop.touch()
+            request_stop(self.stop)
             return
 
 
@@ -406,8 +407,7 @@ def lead(
         endpoint,
         run_id,
     )
-    folder = Path(tempfile.mkdtemp(prefix="trainflow-lead-"))
-    stop = folder / "stop"
+    stop = stop_path("lead")  # created only to stop this node's share
     mine = dataclasses.replace(options, stop_file=str(stop))
     own: LaunchError | None = None
     try:
@@ -420,7 +420,7 @@ def lead(
         board.end(number, ok=False)
         raise
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        stop.unlink(missing_ok=True)
     board.end(number, ok=own is None)
     if own is None:
         return _after_success(board, number, nodes, result)

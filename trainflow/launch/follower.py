@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -48,6 +47,7 @@ from trainflow.launch.board import (
 from trainflow.launch.local import LocalLaunch
 from trainflow.launch.plan import node_range
 from trainflow.launch.processes import kill_process_group
+from trainflow.launch.run_dir import request_stop, stop_path
 from trainflow.launch.ship import Shipment
 from trainflow.launch.spec import (
     SHUTDOWN_GRACE_S,
@@ -128,7 +128,7 @@ class _Run:
     def stop(self, reason: str) -> None:
         """Ask this share to stop as a preemption would (ranks get `stop_grace`)."""
         self.stop_reason = self.stop_reason or reason
-        self.stop_file.touch()
+        request_stop(self.stop_file)
 
     def join(self, seconds: float) -> None:
         self.thread.join(seconds)
@@ -199,7 +199,8 @@ def follow(address: str, node: int, timeout: float) -> int:
     store.set(f"follower/{node}", str(os.getpid()))
     store.add("followers", 1)
     _say(f"node {node} follows the launch board at {address}")
-    folder = Path(tempfile.mkdtemp(prefix=f"trainflow-follow-{node}-"))
+    # The runs' stop files, created only to stop one: removed with the folder at the end.
+    folder = stop_path(f"follow-{node}")
     runs: list[_Run] = []
     number = 0
     graceful = False

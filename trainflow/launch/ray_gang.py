@@ -8,7 +8,6 @@ import dataclasses
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -27,6 +26,7 @@ from trainflow.errors import (
 )
 from trainflow.launch.local import LocalLaunch
 from trainflow.launch.plan import LaunchPlan
+from trainflow.launch.run_dir import request_stop, stop_path
 from trainflow.launch.ship import Shipment
 from trainflow.launch.spec import LaunchOptions, LaunchResult, LineSink
 
@@ -53,8 +53,8 @@ class _NodeRunner:
         self.lines: collections.deque[tuple[int, str]] = collections.deque()
         self.outcome: tuple | None = None
         self.news = threading.Condition()  # lines or an outcome arrived
-        self.folder = tempfile.mkdtemp(prefix="trainflow-node-")
-        self.stop_file = os.path.join(self.folder, "stop")
+        # Created only when the caller stops this node, removed when its launch ends.
+        self.stop_file = str(stop_path("node"))
         self.thread: threading.Thread | None = None
 
     def describe(self) -> dict[str, Any]:
@@ -79,10 +79,11 @@ class _NodeRunner:
         rendezvous: tuple[str, str, bool],
         env: dict[str, str],
     ) -> None:
+        os.environ.update({k: v for k, v in env.items() if k.startswith("TRAINFLOW_")})
+        self.stop_file = str(stop_path("node"))  # under the caller's TRAINFLOW_HOME
         node_options = dataclasses.replace(
             options, max_restarts=0, ray_address=None, stop_file=self.stop_file, env=env
         )
-        os.environ.update({k: v for k, v in env.items() if k.startswith("TRAINFLOW_")})
 
         def sink(rank: int, line: str) -> None:
             with self.news:
@@ -99,6 +100,8 @@ class _NodeRunner:
                     self.outcome = ("error", cloudpickle.dumps(exc))
                 except Exception:
                     self.outcome = ("error", cloudpickle.dumps(LaunchError(repr(exc))))
+            finally:
+                Path(self.stop_file).unlink(missing_ok=True)
             with self.news:
                 self.news.notify_all()
 
@@ -120,7 +123,7 @@ class _NodeRunner:
 
     def stop(self) -> None:
         """Ask this node's ranks to stop as a preemption would (final checkpoint, then end)."""
-        Path(self.stop_file).touch()
+        request_stop(Path(self.stop_file))
 
 
 @dataclasses.dataclass

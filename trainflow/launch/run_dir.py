@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ import psutil
 
 from trainflow.errors import LaunchConfigError
 from trainflow.launch.spec import LaunchSpec
+from trainflow.paths import trainflow_home
 
 KEEP_RUNS_ENV = "TRAINFLOW_KEEP_RUNS"
 DEFAULT_KEEP_RUNS = 50
@@ -242,3 +244,17 @@ def prune_run_dirs(root: Path, keep: int) -> list[Path]:
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     return removed
+
+
+def stop_path(kind: str) -> Path:
+    """A fresh path for the stop file a backend gives a node's launch (a Ray node, a launch
+    board's leader or follower): under `$TRAINFLOW_HOME/stops`, never the temp folder, and
+    nothing is created until a stop is asked for (`request_stop`). Whoever made it removes it
+    when the launch ends."""
+    return trainflow_home() / "stops" / f"{kind}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def request_stop(path: Path) -> None:
+    """Create the stop file at `path` (see `stop_path`), and its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
