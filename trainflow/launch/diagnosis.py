@@ -39,6 +39,35 @@ COLLECTIVE_ABORT = re.compile(
 _WORKER_FILE = os.path.join("trainflow", "launch", "worker.py")
 
 
+# A frame of torch.distributed's collectives: a traceback's (`line 12, in all_reduce`) or a
+# stack dump's (`line 12 in all_reduce`).
+_COLLECTIVE_FRAME = re.compile(
+    r'File "[^"]*distributed_c10d\.py", line \d+,? in (?P<func>[A-Za-z]\w*)'
+)
+# Functions of that file that are plumbing, not a collective a rank calls.
+_NOT_COLLECTIVES = {"wrapper", "wait"}
+# NCCL's watchdog names the collective it timed out (`OpType=ALLREDUCE`).
+_NCCL_OP = re.compile(r"OpType=(\w+)")
+
+
+def collective_in(text: str, newest_first: bool = False) -> str | None:
+    """The torch.distributed collective a traceback or stack shows a rank waiting in
+    (`all_reduce`, `barrier`), the one the rank's own code called; None when it shows none.
+
+    Args:
+        text: A traceback (oldest call first) or a faulthandler stack (`newest_first`).
+    """
+    names = [
+        m["func"]
+        for m in _COLLECTIVE_FRAME.finditer(text)
+        if m["func"] not in _NOT_COLLECTIVES and not m["func"].startswith("_")
+    ]
+    if names:
+        return names[-1] if newest_first else names[0]
+    op = _NCCL_OP.search(text)
+    return op[1].lower() if op else None
+
+
 def shipped_file(shipped: Sequence[CodeSpan], func: str, lineno: int) -> str | None:
     return next((f for name, a, b, f in shipped if name == func and a <= lineno <= b), None)
 

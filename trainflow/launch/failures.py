@@ -21,6 +21,7 @@ from trainflow.errors import (
 from trainflow.launch.diagnosis import (
     COLLECTIVE_ABORT,
     Watchdog,
+    collective_in,
     dump_stacks,
     first_failure,
     ranks_text,
@@ -85,8 +86,22 @@ def hang_error(case: LaunchCase, pgid: int, watchdog: Watchdog) -> HangError:
     low, high = min(beats[r]["step"] for r in beats), max(beats[r]["step"] for r in beats)
     stuck = [r for r in beats if beats[r]["step"] == low]
     live = live_ranks(rd, pgid)
-    stacks = dump_stacks(rd, {r: live[r] for r in stuck if r in live}, case.shipped)
+    stacks = dump_stacks(rd, {r: live[r] for r in beats if r in live}, case.shipped)
     now = time.time()
+    # Ranks waiting in a collective wait for the peers that are not in it: those are stuck.
+    waiting = {r: c for r in beats if (c := collective_in(stacks.get(r, ""), newest_first=True))}
+    if any(r not in waiting for r in stuck) and any(r in waiting for r in beats):
+        stuck = [r for r in stuck if r not in waiting]
+    waits = ""
+    for rank, collective in waiting.items():
+        if rank not in stuck:
+            them = "it" if len(stuck) == 1 else "them"
+            waits = (
+                f"\n{ranks_text(stuck)} stopped answering: rank {rank} waited "
+                f"{now - beats[rank]['time']:.0f}s for {them} in {collective}()."
+            )
+            break
+    stacks = {r: dump for r, dump in stacks.items() if r in stuck or r in waiting}
     where = ", ".join(
         f"rank {r} at step {b['step']} (last beat {now - b['time']:.0f}s ago)"
         for r, b in beats.items()
@@ -100,7 +115,9 @@ def hang_error(case: LaunchCase, pgid: int, watchdog: Watchdog) -> HangError:
     return HangError(
         f"{case.name}.distributed() hung: no rank's heartbeat advanced for "
         f"{case.options.hang_timeout:g}s (hang_timeout); every rank was stopped. "
-        f"Last steps: {where}.{behind}" + stacks_text(stacks, steps) + f"\n\nRank logs: {rd.logs}",
+        f"Last steps: {where}.{waits}{behind}"
+        + stacks_text(stacks, steps)
+        + f"\n\nRank logs: {rd.logs}",
         stuck_ranks=stuck,
         last_steps=steps,
         log_dir=str(rd.logs),
@@ -171,14 +188,18 @@ def _silent_peers_error(
     beats = rd.heartbeats()
     steps = {r: beats[r]["step"] if r in beats else None for r in stuck}
     them = "it" if len(stuck) == 1 else "them"
+    # The collective rank `first` called (its traceback, or NCCL's line), not the transport's
+    # own operation that timed out under it (gloo's "recv operation").
+    collective = collective_in(evidence) or collective_in(failure)
+    where = f"in {collective}()" if collective else "in a collective"
     if re.search(r"timed? ?out|timeout", failure, re.IGNORECASE):
         ms = re.search(r"Timeout\(ms\)=(\d+)|(\d+)\s*ms\b", failure)
         waited = (
             f"{int(ms[1] or ms[2]) / 1000:g}s" if ms else f"{case.options.collective_timeout:g}s"
         )
-        how = f"rank {first} timed out after {waited} waiting for {them} in a collective"
+        how = f"rank {first} timed out after {waited} waiting for {them} {where}"
     else:
-        how = f"rank {first} failed waiting for {them} in a collective"
+        how = f"rank {first} failed waiting for {them} {where}"
     return HangError(
         f"{ranks_text(stuck)} stopped answering: {how} ({failure}); every rank was stopped."
         + stacks_text(stacks, steps)
