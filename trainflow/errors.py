@@ -34,12 +34,34 @@ class LaunchError(RuntimeError):
     def __reduce__(self) -> tuple:
         # Pickle would call `cls(*args)`, which the subclasses' keyword-only fields refuse
         # (Prefect pickles task errors). Every field is a constructor argument of the same
-        # name, so the fields are passed back by name.
-        return (_rebuild_error, (type(self), self.args, self.__dict__))
+        # name, so the fields are passed back by name. The cause (a rank's own exception)
+        # travels too, pickled apart: one that cannot be pickled is left out, not the error.
+        return (_rebuild_error, (type(self), self.args, self.__dict__, _pickled(self.__cause__)))
 
 
-def _rebuild_error(cls: type[LaunchError], args: tuple, fields: dict) -> LaunchError:
-    return cls(*args, **fields)
+def _pickled(cause: BaseException | None) -> bytes | None:
+    if cause is None:
+        return None
+    import cloudpickle  # only when an error is pickled: the module stays import-free
+
+    try:
+        return cloudpickle.dumps(cause)
+    except Exception:
+        return None
+
+
+def _rebuild_error(
+    cls: type[LaunchError], args: tuple, fields: dict, cause: bytes | None = None
+) -> LaunchError:
+    error = cls(*args, **fields)
+    if cause is not None:
+        import pickle
+
+        try:
+            error.__cause__ = pickle.loads(cause)
+        except Exception:  # its class does not import here: the message still names it
+            error.__cause__ = None
+    return error
 
 
 class LaunchConfigError(LaunchError, ValueError):

@@ -8,6 +8,8 @@ the library and every rank stay free of Prefect.
 
 import base64
 import dataclasses
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
@@ -16,13 +18,15 @@ import cloudpickle
 from prefect import get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.actions import ArtifactCreate
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterTimestamp
+from prefect.client.schemas.sorting import LogSort
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.deployments import run_deployment
 from prefect.logging.loggers import PrefectLogAdapter, get_logger
 
 from trainflow.errors import LaunchError
 from trainflow.launch.plan import cluster_plan
-from trainflow.launch.ship import Shipment
+from trainflow.launch.ship import Shipment, remote_payload
 from trainflow.launch.spec import LaunchOptions, LaunchResult, LineSink, rank_label
 
 # A launch to run with the line sink given: what the backends hand to this module.
@@ -113,23 +117,33 @@ class RemoteDeployment:
 
     def run(self, shipment: Shipment) -> LaunchResult:
         options = self.options
-        values = run_remote(self.deployment, shipment.payload, options)
+        # With the caller's sources, so that tracebacks from the ranks there show its files.
+        values = run_remote(self.deployment, remote_payload(shipment), options, shipment.name)
         plan = cluster_plan(options.gpus, options.gpu_type, options.nnodes, self.deployment)
         return LaunchResult(values, None, {}, plan, list(range(len(values))))
 
 
-def run_remote(deployment: str, payload: bytes, options: LaunchOptions) -> list[Any]:
+def run_remote(
+    deployment: str,
+    payload: bytes,
+    options: LaunchOptions,
+    name: str = "fn",
+    say: Callable[[str], None] | None = None,
+) -> list[Any]:
     """Run a pickled call on a deployment of `flows/remote.py:remote_call`; its rank values.
 
-    Waits for the flow run. Its result (the per-rank values, pickled) comes back through the
-    deployment's result storage, which must be one this process can read too.
+    Waits for the flow run, saying how it goes (`say`, stderr by default): queued for a
+    worker, starting, running, and the run's log lines (the ranks' output among them). Its
+    result (the per-rank values, pickled) comes back through the deployment's result storage,
+    which must be one this process can read too.
     """
     settings = {**dataclasses.asdict(options), "remote": False}
     flow_run: Any = run_deployment(
         deployment,
         parameters={"payload": base64.b64encode(payload).decode(), "options": settings},
-        timeout=None,
+        timeout=0,  # submitted only: `follow_flow_run` waits, and says what happens
     )
+    flow_run = follow_flow_run(flow_run.id, f"{name}.distributed() on {deployment!r}", say)
     state = flow_run.state
     if state is not None and state.is_failed():
         try:
@@ -147,7 +161,69 @@ def run_remote(deployment: str, payload: bytes, options: LaunchOptions) -> list[
     return cloudpickle.loads(base64.b64decode(state.result()))
 
 
+# How often a remote call's flow run is read while the caller waits for it.
+REMOTE_POLL_S = 1.0
+# Log lines read at a time (the most the server gives).
+REMOTE_LOG_PAGE = 200
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def describe_state(flow_run: Any) -> str:
+    """What a flow run's state means to the caller waiting for it."""
+    state = flow_run.state
+    if state is None:
+        return "submitted"
+    kind = state.type.value
+    if kind == "SCHEDULED":
+        pool = f" of work pool {flow_run.work_pool_name!r}" if flow_run.work_pool_name else ""
+        return f"queued: waiting for a worker{pool} to pick it up ({state.name})"
+    if kind == "PENDING":
+        return "starting: a worker picked it up and is starting the run"
+    if kind == "RUNNING":
+        return "running: the ranks start on the worker's machine"
+    return f"ended {state.name}" + (f": {state.message}" if state.message else "")
+
+
+def follow_flow_run(flow_run_id: UUID, what: str, say: Callable[[str], None] | None = None) -> Any:
+    """Wait until flow run `flow_run_id` ends, saying (`say`, stderr by default) each change of
+    its state and each line it logs (the ranks' lines, `[rank N] ...`); the ended flow run."""
+    say = say or _stderr
+    seen_logs: set[UUID] = set()
+    last: str | None = None
+    after = None
+    with get_client(sync_client=True) as client:
+        while True:
+            flow_run = client.read_flow_run(flow_run_id)
+            status = describe_state(flow_run)
+            if status != last:
+                say(f"[trainflow] {what}: flow run {flow_run.name} {status}")
+                last = status
+            logs = client.read_logs(
+                log_filter=LogFilter(
+                    flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]),
+                    timestamp=LogFilterTimestamp(after_=after),
+                ),
+                sort=LogSort.TIMESTAMP_ASC,
+                limit=REMOTE_LOG_PAGE,
+            )
+            # `after_` includes its own timestamp: the last line read comes again.
+            new = [log for log in logs if log.id not in seen_logs]
+            for log in new:
+                seen_logs.add(log.id)
+                say(f"[remote] {log.message}")
+                after = log.timestamp
+            if flow_run.state is not None and flow_run.state.is_final() and not new:
+                return flow_run
+            if len(new) < REMOTE_LOG_PAGE:  # else more lines wait: read them at once
+                time.sleep(REMOTE_POLL_S)
+
+
 __all__ = [
+    "describe_state",
+    "follow_flow_run",
     "RemoteDeployment",
     "as_task_run",
     "in_prefect_run",

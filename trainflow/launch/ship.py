@@ -81,6 +81,34 @@ def bind_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
     return cloudpickle.dumps((fn, args, kwargs))
 
 
+def remote_payload(shipment: Shipment) -> bytes:
+    """The payload of a call that runs on another machine (a remote deployment, whose own
+    launch ships it on to its ranks): unpickled there, it is the same `(fn, args, kwargs)`,
+    with the caller's file names and source lines given back to code shipped by value first,
+    so that the ranks' tracebacks there show the caller's file and lines too."""
+    return cloudpickle.dumps(_WithSource(shipment.payload, shipment.code_files, shipment.sources))
+
+
+@dataclass(frozen=True)
+class _WithSource:
+    payload: bytes
+    code_files: list[list]
+    sources: dict[str, list[str]]
+
+    def __reduce__(self) -> tuple:
+        return (open_payload, (self.payload, self.code_files, self.sources))
+
+
+def open_payload(
+    payload: bytes, code_files: list[list], sources: dict[str, list[str]]
+) -> tuple[Callable[..., Any], tuple, dict]:
+    """`(fn, args, kwargs)` of `payload`, with the source of code shipped by value restored
+    (`restore_source`): what unpickling a `remote_payload` calls."""
+    fn, args, kwargs = cloudpickle.loads(payload)
+    restore_source(fn, code_files, sources)
+    return fn, args, kwargs
+
+
 def caller_sys_path() -> list[str]:
     return [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
 
@@ -139,3 +167,42 @@ def _shipped_sources(
         if lines and size <= MAX_SHIPPED_SOURCE_BYTES:
             sources[path] = lines
     return [[c.co_name, c.co_firstlineno, c.co_filename] for c in codes], sources
+
+
+def restore_source(fn: object, code_files: list[list], sources: dict[str, list[str]]) -> None:
+    """Give the code the caller shipped by value its file name and source back.
+
+    cloudpickle ships functions from `__main__` or a notebook with their code only, named
+    "<dynamic-code>": tracebacks printed on the rank would show no file and no source line.
+    The caller sends where each function's code lives and those files' lines; they go into
+    `linecache` (a notebook cell exists nowhere else) and the code objects get their names.
+    """
+    for path, lines in sources.items():
+        linecache.cache[path] = (sum(map(len, lines)), None, lines, path)
+    where = {(name, first): path for name, first, path in code_files}
+
+    def fix(code: types.CodeType) -> types.CodeType:
+        consts = tuple(fix(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+        path = where.get((code.co_name, code.co_firstlineno))
+        if code.co_filename != DYNAMIC_CODE or path is None:
+            return code.replace(co_consts=consts)
+        return code.replace(co_filename=path, co_consts=consts)
+
+    todo, seen = [fn], set()
+    while todo:
+        f = todo.pop()
+        if id(f) in seen or not isinstance(f, types.FunctionType):
+            continue
+        seen.add(id(f))
+        if f.__code__.co_filename == DYNAMIC_CODE:
+            f.__code__ = fix(f.__code__)
+            todo.extend(f.__globals__.values())
+            todo.extend(c.cell_contents for c in f.__closure__ or () if _has_contents(c))
+
+
+def _has_contents(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True

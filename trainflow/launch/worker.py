@@ -7,7 +7,6 @@ caller's code, so everything user-specific arrives through the run directory.
 import ctypes
 import faulthandler
 import json
-import linecache
 import os
 import signal
 import sys
@@ -25,7 +24,7 @@ from trainflow import runtime
 from trainflow.compat import cpu_fallback, stdlib
 from trainflow.errors import PayloadError
 from trainflow.launch.run_dir import RunDir
-from trainflow.launch.ship import DYNAMIC_CODE
+from trainflow.launch.ship import restore_source
 from trainflow.launch.spec import AGENT_PID_ENV
 
 # How deep the parts of an unpicklable return value are searched.
@@ -62,50 +61,11 @@ def _error_record(exc: BaseException, rank: int, where: str) -> dict[str, Any]:
     }
 
 
-def _restore_source(fn: object, code_files: list[list], sources: dict[str, list[str]]) -> None:
-    """Give the code the caller shipped by value its file name and source back.
-
-    cloudpickle ships functions from `__main__` or a notebook with their code only, named
-    "<dynamic-code>": tracebacks printed on the rank would show no file and no source line.
-    The caller sends where each function's code lives and those files' lines; they go into
-    `linecache` (a notebook cell exists nowhere else) and the code objects get their names.
-    """
-    for path, lines in sources.items():
-        linecache.cache[path] = (sum(map(len, lines)), None, lines, path)
-    where = {(name, first): path for name, first, path in code_files}
-
-    def fix(code: types.CodeType) -> types.CodeType:
-        consts = tuple(fix(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
-        path = where.get((code.co_name, code.co_firstlineno))
-        if code.co_filename != DYNAMIC_CODE or path is None:
-            return code.replace(co_consts=consts)
-        return code.replace(co_filename=path, co_consts=consts)
-
-    todo, seen = [fn], set()
-    while todo:
-        f = todo.pop()
-        if id(f) in seen or not isinstance(f, types.FunctionType):
-            continue
-        seen.add(id(f))
-        if f.__code__.co_filename == DYNAMIC_CODE:
-            f.__code__ = fix(f.__code__)
-            todo.extend(f.__globals__.values())
-            todo.extend(c.cell_contents for c in f.__closure__ or () if _has_contents(c))
-
-
 def _read_sources(rd: RunDir) -> dict[str, list[str]]:
     try:
         return json.loads(rd.sources.read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _has_contents(cell: types.CellType) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - an empty cell raises
-    except ValueError:
-        return False
-    return True
 
 
 def _parts(value: object, path: str) -> list[tuple[str, object]]:
@@ -244,7 +204,7 @@ def main(run_dir: str) -> None:
     created_group = False
     try:
         fn, args, kwargs = cloudpickle.loads(rd.payload.read_bytes())
-        _restore_source(fn, spec.code_files, _read_sources(rd))
+        restore_source(fn, spec.code_files, _read_sources(rd))
         if spec.init_process_group:
             where = "initialising the process group"
             runtime.init_process_group()
