@@ -45,6 +45,10 @@ __all__ = [
 ]
 
 
+# Adam refuses a beta outside [0, 1) only once a rank builds the optimizer.
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class OptimizerConfig(BaseModel):
     """AdamW, the optimizer every technique builds for the wrapped model."""
 
@@ -52,7 +56,9 @@ class OptimizerConfig(BaseModel):
 
     learning_rate: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW decoupled weight decay.")
-    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW beta1 and beta2.")
+    betas: tuple[Beta, Beta] = Field(
+        default=(0.9, 0.999), description="AdamW beta1 and beta2, each in [0, 1)."
+    )
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
 
 
