@@ -7,6 +7,7 @@ Lightning reading MDS shards, a `.to("cuda:N")`, and a process group the cell op
 
 import pytest
 
+from tests.conftest import REPO_ROOT
 from trainflow import distributed
 
 
@@ -48,3 +49,56 @@ def accelerate_self_test(script: str) -> str:
 )
 def test_accelerate_self_tests_pass_on_cpu_fallback_ranks(cpu_fallback, script, expected):
     assert accelerate_self_test.distributed(script) == [expected, expected]
+
+
+# --- TRL with FSDP: save_model and bf16 -----------------------------------------------------
+
+TOKENIZER = str(REPO_ROOT / "data" / "tokenizer")
+ROWS = [{"text": f"question {i}: what is {i} plus {i}? answer: {2 * i}"} for i in range(32)]
+
+
+@distributed(gpus=2, gpu_type="H100")
+def fsdp_sft_then_save(output_dir: str) -> dict:
+    """The TRL cell of a managed notebook: FSDP, bf16, and `save_model` at the end."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from trainflow.models.causal_lm import model_config
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    model = AutoModelForCausalLM.from_config(model_config("tiny-llama", tokenizer))
+    args = SFTConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        bf16=True,
+        fsdp="full_shard auto_wrap",
+        fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+        save_strategy="no",
+        report_to="none",
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+    )
+    computed_in: set[str] = set()  # the dtype a sharded layer's weight has in its forward
+    layer = trainer.model.model.layers[0].self_attn.q_proj
+    layer.register_forward_pre_hook(lambda m, _: computed_in.add(str(m.weight.dtype)))
+    trainer.train()
+    trainer.save_model(output_dir)
+    return {"sharded": type(trainer.model_wrapped).__name__, "computed_in": sorted(computed_in)}
+
+
+@pytest.mark.slow
+def test_trl_fsdp_keeps_bf16_and_saves_a_model_from_pretrained_loads(tmp_path, cpu_fallback):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "model"
+    for rank in fsdp_sft_then_save.distributed(str(out)):
+        assert rank == {"sharded": "FSDPLlamaForCausalLM", "computed_in": ["torch.bfloat16"]}
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"]  # every weight came from the file
+    assert type(model).__name__ == "LlamaForCausalLM"

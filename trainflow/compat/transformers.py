@@ -88,7 +88,7 @@ def shard_with_fsdp2_on_cpu(trainer: Any) -> None:
     is rebuilt from the Trainer's own settings (`TrainingArguments.fsdp_plugin_args` in
     transformers 5, the `FSDP_*` environment in 4).
     """
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     check(ACCELERATOR_STATE)
@@ -105,8 +105,16 @@ def shard_with_fsdp2_on_cpu(trainer: Any) -> None:
         plugin.activation_checkpointing = trainer.args.fsdp_config.get(
             "activation_checkpointing", False
         )
+    if state.mixed_precision != "no":
+        # What AcceleratorState does with the plugin it is given: `bf16=True` becomes FSDP2's
+        # MixedPrecisionPolicy (bf16 parameters and gradient reduction).
+        plugin.set_mixed_precision(state.mixed_precision)
     state.fsdp_plugin = plugin
-    state.distributed_type = DistributedType.FSDP
+    # On both states, as AcceleratorState records it: every later `AcceleratorState()` copies
+    # PartialState's distributed type over its own, and a Trainer back on MULTI_CPU saves
+    # (`save_model`, `get_state_dict`) as if the model were not sharded: rank 0 alone gathers
+    # the sharded parameters and hangs.
+    state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
     trainer.is_fsdp_enabled = True
 
 
@@ -117,10 +125,9 @@ def adapt_trainer(module: types.ModuleType) -> None:
         def create_accelerator_and_postprocess(self: Any) -> None:
             fsdp = bool(self.args.fsdp)
             if fsdp and os.environ.get("FSDP_VERSION", "1") != "2":
+                # The state dict type stays the cell's (FULL_STATE_DICT unless it asks): a
+                # sharded one has `save_model` write no weights `from_pretrained` can load.
                 os.environ["FSDP_VERSION"] = "2"
-                # Sharded checkpoints: accelerate's full-state-dict load under FSDP2 has only
-                # rank 0 join the broadcast.
-                os.environ["FSDP_STATE_DICT_TYPE"] = "SHARDED_STATE_DICT"
                 note("the Trainer's FSDP shards with FSDP2 (fully_shard) on the CPU")
             original(self)
             if fsdp:
