@@ -35,11 +35,11 @@ from tasks.sweep import ensure_rank_pool, pipeline_flow, publish_trials, run_tri
 from trainflow import sweep as space_lib
 from trainflow import tracking
 from trainflow.cli import run_pipeline
+from trainflow.configs.base import check_resume_config
 from trainflow.paths import (
     RUN_CONFIG_FILE,
     STOP_FILE,
     SafeName,
-    read_run_config,
     run_output_dir,
 )
 from trainflow.pipelines import PIPELINES, pipeline
@@ -145,6 +145,10 @@ class SweepConfig(BaseModel):
         "not run again, the ones it was running start over.",
     )
 
+    def training_fields(self) -> dict[str, Any]:
+        """What defines the study: a resumed sweep keeps these (`check_resume_config`)."""
+        return self.model_dump(mode="json", include=set(_STUDY_FIELDS))
+
     def trial_config(self, params: dict[str, Any] | None = None) -> Any:
         """A trial's validated pipeline config: `base`, the trial's values, nothing else."""
         merged = space_lib.with_params(self.base_config().model_dump(), params or {})
@@ -245,13 +249,9 @@ def _save_config(config: SweepConfig, parent: str) -> None:
     that changes what the study searches."""
     path = run_output_dir("sweep", parent) / RUN_CONFIG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    mine = config.model_dump(mode="json", exclude={"resume"})
     if config.resume and path.exists():
-        saved = read_run_config("sweep", parent)
-        changed = [k for k in _STUDY_FIELDS if saved.get(k) != mine[k]]
-        if changed:
-            raise ValueError(f"resume {parent}: {', '.join(changed)} differ from the sweep's own")
-    path.write_text(json.dumps(mine, indent=2))
+        check_resume_config("sweep", config, parent)
+    path.write_text(json.dumps(config.model_dump(mode="json", exclude={"resume"}), indent=2))
 
 
 def first_done(

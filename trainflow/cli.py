@@ -208,8 +208,9 @@ def parse_command_line(
             parser.error("--resume starts from the run's own config: drop --config/--preset")
         try:
             base = resumed(given["resume"])
-        except ValueError as exc:
-            parser.error(f"--resume {given['resume']}: {exc}")
+        except ValueError as exc:  # one line: the usage says nothing about which runs exist
+            print(f"{prog}: error: --resume {given['resume']}: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
     merged = merge_options(base, _nest(given))
     try:
         return model.model_validate(merged), on
@@ -227,12 +228,12 @@ def _problem(err: Any, flags: set[str]) -> str:
     `--technique`, with the union's tag) is named after it.
     """
     loc = [str(p) for p in err["loc"]]
+    msg = str(err["msg"]).removeprefix("Value error, ")  # a validator's own message
     if not loc:
-        return str(err["msg"])
+        return msg  # the config's own cross-field check, whose message names its fields
     dotted = ".".join(loc)
     if err["type"] == "extra_forbidden":  # a key in a --config file or a JSON option
         return f"{dotted!r} is not an option of this pipeline (see --help)"
-    msg = str(err["msg"]).removeprefix("Value error, ")  # a validator's own message
     if len(loc) == 1 and err["type"] == "value_error" and _flag(loc[0]) not in flags:
         return msg  # a nested model's check, whose message names its fields itself
     for end in range(len(loc), 0, -1):
@@ -317,7 +318,8 @@ def start_ahead(
 ) -> None:
     """`python -m flows.<name>`, before the flow's module imports Prefect (about a second of one
     core, while the other has nothing to do): if the command line is valid, its files check
-    out (`check`) and this machine can run it, call `ahead(config)`, which starts the run's
+    out (`check`), this machine can run it and a `--resume` would be accepted, call
+    `ahead(config)`, which starts the run's
     training launch agent (`start_launch_agent`), whose imports come first on the way to the
     first step.
 
@@ -331,6 +333,7 @@ def start_ahead(
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             config = _command_line_config(name, defaults, argv, None, presets)[0]
             _check_machine(name, config)
+            check_resume(name, config)  # a refused resume starts nothing
             if check is not None:
                 check(config)
     except (SystemExit, Exception):  # a usage error, --help: `run_pipeline` reports it
@@ -447,6 +450,7 @@ def run_pipeline(
     if dry_run is not None and "--dry-run" in on:
         raise SystemExit(0 if dry_run(config) else 1)
     _check_machine(flow.name, config)
+    _usage_check(flow, lambda c: check_resume(flow.name, c), config)
     _usage_check(flow, check, config)
     before = tracking.last_run_id()
     around = server() if server else contextlib.nullcontext(lambda: None)
@@ -508,6 +512,26 @@ def start_launch_agent(
     if not isinstance(config, Resources) or getattr(config, "gpu_pool", None) is not None:
         return AgentAhead()
     return standby(config.launch_options(), [module], check, then)
+
+
+def check_resume(name: str, config: Any) -> None:
+    """With `--resume RUN_ID`, refuse in a second, before any server or run starts, what the
+    run would refuse once started: the run's config changed (`check_resume_config`), or its
+    MLflow run missing, deleted, in another experiment, FINISHED or still running here
+    (`tracking.check_resumable`).
+
+    Raises:
+        ValueError: naming the run and why it cannot be continued.
+    """
+    from trainflow import tracking
+    from trainflow.configs.base import check_resume_config
+
+    run_id = getattr(config, "resume", None)
+    if not run_id:
+        return
+    if hasattr(config, "training_fields"):
+        check_resume_config(name, config, run_id)
+    tracking.check_resumable(run_id, getattr(config, "experiment_name", None))
 
 
 def _usage_check(flow: Any, check: Callable[[Any], None] | None, config: Any) -> None:

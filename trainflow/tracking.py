@@ -362,35 +362,69 @@ def _dead_owner(tags: Mapping[str, str]) -> int | None:
     return None if _owner_alive(pid, started) else pid
 
 
-def reap_orphaned_runs(client: Any, experiment_id: str) -> list[str]:
-    """Mark FAILED the RUNNING runs of the experiment whose process on this host has exited.
+def reap_orphaned_runs(client: Any, experiment_id: str | None = None) -> list[str]:
+    """Mark FAILED the RUNNING runs whose process on this host has exited: of the experiment
+    `experiment_id`, or of every active experiment in the store (None).
 
     A process killed outright (SIGKILL, out of memory) cannot end its run, which would show
     RUNNING forever. Runs owned by other hosts are left alone: their processes cannot be seen
-    from here. Each reaped run gets a `trainflow.failure_reason` tag. Returns their ids.
+    from here. Each reaped run gets a `trainflow.failure_reason` tag naming the dead pid and
+    this host. Returns their ids.
     """
     host = socket.gethostname()
     query = f"attributes.status = 'RUNNING' and tags.`{OWNER_HOST_TAG}` = '{host}'"
+    experiments = [experiment_id] if experiment_id is not None else _experiment_ids(client)
     reaped: list[str] = []
+    # A search takes a bounded number of experiments at once.
+    for first in range(0, len(experiments), 100):
+        token = None
+        while True:
+            page = client.search_runs(
+                experiments[first : first + 100],
+                filter_string=query,
+                max_results=1000,
+                page_token=token,
+            )
+            for run in page:
+                pid = _dead_owner(run.data.tags)
+                if pid is None:
+                    continue
+                reason = (
+                    f"the process that ran it (pid {pid} on {host}) exited without ending the "
+                    "run (killed or crashed)"
+                )
+                client.set_tag(run.info.run_id, FAILURE_REASON_TAG, reason)
+                client.set_terminated(run.info.run_id, status="FAILED")
+                reaped.append(run.info.run_id)
+            token = page.token
+            if not token:
+                break
+    return reaped
+
+
+def _experiment_ids(client: Any) -> list[str]:
+    """The ids of every active experiment in the store."""
+    ids: list[str] = []
     token = None
     while True:
-        page = client.search_runs(
-            [experiment_id], filter_string=query, max_results=1000, page_token=token
-        )
-        for run in page:
-            pid = _dead_owner(run.data.tags)
-            if pid is None:
-                continue
-            reason = (
-                f"the process that ran it (pid {pid} on {host}) exited without ending the run "
-                "(killed or crashed)"
-            )
-            client.set_tag(run.info.run_id, FAILURE_REASON_TAG, reason)
-            client.set_terminated(run.info.run_id, status="FAILED")
-            reaped.append(run.info.run_id)
+        page = client.search_experiments(max_results=1000, page_token=token)
+        ids.extend(str(e.experiment_id) for e in page)
         token = page.token
         if not token:
-            return reaped
+            return ids
+
+
+def reap_dead_runs() -> list[str]:
+    """`reap_orphaned_runs` over the whole configured store, under its lock; nothing (and no
+    store created) where the store is a SQLite file that does not exist yet. Every command
+    that opens the store calls it: a run whose pipeline was SIGKILLed shows FAILED, with its
+    reason, the next time anything looks."""
+    db = _sqlite_path(tracking_uri())
+    if db is not None and not db.is_file():
+        return []
+    client = store_client()
+    with store_lock():
+        return reap_orphaned_runs(client)
 
 
 def _experiment_id(client: Any, experiment: str) -> str:
@@ -402,23 +436,42 @@ def _experiment_id(client: Any, experiment: str) -> str:
     )
 
 
-def _resume(client: Any, experiment: str, experiment_id: str, run_id: str) -> None:
-    """Set an unfinished run of `experiment` back to RUNNING, owned by this process."""
-    from mlflow.entities import RunTag
+def check_resumable(run_id: str, experiment: str | None = None) -> None:
+    """Refuse, without changing anything, to continue a run `pipeline_run` would not continue:
+    none such in the store, deleted, in another experiment than `experiment` (when given),
+    FINISHED, or RUNNING in a live process of this host. Opens no store that does not exist.
+
+    Raises:
+        ValueError: naming the run and why it cannot be continued.
+    """
     from mlflow.exceptions import MlflowException
 
+    db = _sqlite_path(tracking_uri())
+    if db is not None and not db.is_file():
+        raise ValueError(f"cannot resume MLflow run {run_id}: no such run in {tracking_uri()}")
+    reap_dead_runs()
+    client = store_client()
     try:
         run = client.get_run(run_id)
     except MlflowException:
         raise ValueError(
             f"cannot resume MLflow run {run_id}: no such run in {tracking_uri()}"
         ) from None
-    if run.info.experiment_id != experiment_id or run.info.lifecycle_stage == "deleted":
+    _refuse_resume(client, run, experiment)
+
+
+def _refuse_resume(client: Any, run: Any, experiment: str | None) -> None:
+    """Raise ValueError if `run` cannot be continued (in `experiment`, when given)."""
+    run_id = run.info.run_id
+    if run.info.lifecycle_stage == "deleted":
+        raise ValueError(f"cannot resume MLflow run {run_id}: it was deleted")
+    if experiment is not None:
         where = client.get_experiment(run.info.experiment_id).name
-        what = "was deleted" if run.info.lifecycle_stage == "deleted" else f"is in {where!r}"
-        raise ValueError(
-            f"cannot resume MLflow run {run_id} in experiment {experiment!r}: it {what}"
-        )
+        if where != experiment:
+            raise ValueError(
+                f"cannot resume MLflow run {run_id} in experiment {experiment!r}: "
+                f"it is in {where!r}"
+            )
     if run.info.status == "FINISHED":
         raise ValueError(f"MLflow run {run_id} already finished; nothing to resume")
     tags = run.data.tags
@@ -429,6 +482,21 @@ def _resume(client: Any, experiment: str, experiment_id: str, run_id: str) -> No
                 f"cannot resume MLflow run {run_id}: it is still running "
                 f"(pid {pid} on {tags[OWNER_HOST_TAG]})"
             )
+
+
+def _resume(client: Any, experiment: str, run_id: str) -> None:
+    """Set an unfinished run of `experiment` back to RUNNING, owned by this process."""
+    from mlflow.entities import RunTag
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise ValueError(
+            f"cannot resume MLflow run {run_id}: no such run in {tracking_uri()}"
+        ) from None
+    _refuse_resume(client, run, experiment)
+    tags = run.data.tags
     resumed = int(tags.get(RESUMED_TAG, "0") or 0) + 1
     # Owner first, status second: a reaper never sees it RUNNING under the old, dead owner.
     new_tags = {**owner_tags(), RESUMED_TAG: str(resumed)}
@@ -488,7 +556,8 @@ def pipeline_run(
     Yields the run id. The run ends FINISHED on success, KILLED when stopped (Ctrl-C, SIGTERM,
     a cancelled Prefect run, a preempted node: `is_stop`) and FAILED on any other error, never
     left RUNNING by this process. The run is tagged with its owner (`owner_tags`); RUNNING runs
-    whose owner on this host has exited are marked FAILED first (`reap_orphaned_runs`).
+    whose owner on this host has exited, in any experiment, are marked FAILED first
+    (`reap_orphaned_runs`).
     While it is open, MLflow's system metrics of this machine are logged to it
     (`start_system_metrics`).
 
@@ -505,14 +574,14 @@ def pipeline_run(
     # run being resumed must not be reaped or resumed by another process meanwhile.
     with store_lock():
         experiment_id = _experiment_id(client, experiment)
-        reap_orphaned_runs(client, experiment_id)
+        reap_orphaned_runs(client)  # every pipeline's, not only this experiment's
         if resume_run_id is None:
             run = client.create_run(
                 experiment_id, run_name=run_name, tags={**(tags or {}), **owner_tags()}
             )
             run_id = run.info.run_id
         else:
-            _resume(client, experiment, experiment_id, resume_run_id)
+            _resume(client, experiment, resume_run_id)
             run_id = resume_run_id
     if PARENT_RUN_TAG not in (tags or {}):
         # A nested run (a sweep's trial, in the sweep's own process) is not the one a stopped
