@@ -4,7 +4,8 @@
         return command.main("mlp", argv)
 
 The spec (`trainflow.pipelines`) gives the starting config and presets, the checks run before
-the Prefect server starts and while it starts, the metrics printed at the end, and `--dry-run`.
+the Prefect server starts (its `checks`: a bad value is a usage error, and nothing has started)
+and while it starts, the metrics printed at the end, and `--dry-run`.
 The SFT pipeline's launch agent starts before the flow's module imports Prefect (`flows/__init__`).
 """
 
@@ -51,7 +52,7 @@ def main(name: str, argv: list[str] | None = None) -> Any:
         spec.presets_by_name() or None,
         list(spec.summary_metrics) or None,
         server=starting_prefect_server,
-        check=spec.startup_hook("check_files"),
+        check=spec.startup_hook("check_files") or spec.check(),
         deep_check=spec.startup_hook("deep_check") or _deep_check(spec),
         dry_run=lambda config: dry_run(spec, config),
     )
@@ -65,14 +66,12 @@ def run(name: str) -> NoReturn:
 
 def _deep_check(spec: PipelineSpec) -> Any:
     """Start the training launch's agent (it imports the workload for the ranks meanwhile),
-    run the pipeline's checks, then load the workload here and import `spec.preload`."""
+    then load the workload here and import `spec.preload`. (The pipeline's checks ran before
+    the server started.)"""
 
     def check(config: Any) -> None:
         if spec.workload is not None:
             start_launch_agent(config, spec.workload.module)
-        if (check := spec.check()) is not None:
-            check(config)
-        if spec.workload is not None:
             spec.workload.load()  # what the flow's process runs once training is done
         for name in spec.preload:
             importlib.import_module(name)

@@ -54,7 +54,9 @@ class PipelineSpec:
             `resolve(config)` (the config completed from its files, for `--dry-run`).
             None: the workload's `check_config`, with its launch agent started first.
         checks: `module:function` checking a config without GPUs, network or the training
-            libraries (files, names, sizes): run while the server starts and by `--dry-run`.
+            libraries (files, names, sizes, the batch against the data's rows): run before
+            the Prefect server starts (unless `startup` has `check_files`, which runs instead)
+            and by `--dry-run`; a ValueError from it is a usage error.
         preload: Modules the flow's process imports while the Prefect server starts.
         deployments: Deployment name in `prefect.yaml` -> the preset its parameters are (a
             test holds the two equal), or None for a deployment with parameters of its own.

@@ -110,6 +110,13 @@ class TransformerConfig(PipelineConfig):
     def _check(self) -> "TransformerConfig":
         self.training.micro_batch_size(self.gpus)
         self.technique.check_world_size(self.gpus)
+        keys = self.model.num_classes * self.data.num_key_tokens
+        if keys > self.model.vocab_size:
+            raise ValueError(
+                f"model.num_classes={self.model.num_classes} x data.num_key_tokens="
+                f"{self.data.num_key_tokens} = {keys} key tokens exceed model.vocab_size="
+                f"{self.model.vocab_size}: each class needs key tokens of its own"
+            )
         return self
 
     def gate(self) -> list[Threshold]:

@@ -47,8 +47,14 @@ def check_config(config: TwoTowerConfig) -> None:
                 f"data.{field}={getattr(d, field)} leaves the {field.removesuffix('_fraction')} "
                 f"split empty: {d.dataset!r} has {len(rows)} rows"
             )
-    if len(rows) - num_test - num_validation == 0:
+    num_train = len(rows) - num_test - num_validation
+    if num_train == 0:
         raise ValueError(f"data: the train split of {d.dataset!r} would be empty")
+    if config.training.batch_size * config.gpus > num_train:
+        raise ValueError(
+            f"training.batch_size={config.training.batch_size} x gpus={config.gpus} exceeds "
+            f"the train split of {d.dataset!r} ({num_train} rows): no full step fits"
+        )
     t = config.towers
     for column, field, bound in (
         (d.user_column, "num_users", t.num_users),
