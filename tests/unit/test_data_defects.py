@@ -23,13 +23,14 @@ import pytest
 from tests.unit.conftest_data import chat_config, tabular_config
 from trainflow.configs.two_tower import TwoTowerConfig
 from trainflow.data import DataConfig, DataError, prepare_dataset
-from trainflow.data.checks import check_files, usable_cores
+from trainflow.data.checks import check_files
 from trainflow.data.config import name_for_file
 from trainflow.data.paths import stream_cache_dir
 from trainflow.data.shapes import ShapesSpec, write_shapes
-from trainflow.data.store import DAMAGED
 from trainflow.workloads import detection, sft, two_tower
 from trainflow.workloads.two_tower_checks import check_config
+
+CORES = len(os.sched_getaffinity(0))  # what this process may use
 
 
 def _flip(path: Path) -> None:
@@ -93,6 +94,8 @@ def test_a_shard_damaged_after_a_first_read_is_found_by_the_next_read(tmp_path):
 
 
 def test_a_published_shard_that_fails_its_hash_is_rebuilt_by_the_next_prepare(tmp_path):
+    from trainflow.data.store import DAMAGED
+
     config = chat_config(tmp_path, num_rows=96)
     first = prepare_dataset(config)
     expected = sft.read_split(first.uri, "train")
@@ -142,15 +145,15 @@ def test_a_damaged_published_dataset_is_rebuilt_in_place(damage, tmp_path):
 
 
 def test_more_processes_than_cores_are_refused_before_anything_is_written(tmp_path):
-    figure = usable_cores() + 1
+    figure = CORES + 1
     config = tabular_config(tmp_path, num_proc=figure)
-    message = f"num_proc={figure} .* the limit is {usable_cores()}"
+    message = f"num_proc={figure} .* the limit is {CORES}"
     with pytest.raises(DataError, match=message):
         check_files(config)
     with pytest.raises(DataError, match=message):
         prepare_dataset(config)
     assert not (tmp_path / "out").exists()
-    assert prepare_dataset(tabular_config(tmp_path, num_proc=usable_cores())).splits
+    assert prepare_dataset(tabular_config(tmp_path, num_proc=CORES)).splits
 
 
 @pytest.mark.parametrize(
