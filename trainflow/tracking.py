@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -425,6 +426,53 @@ def reap_dead_runs() -> list[str]:
     client = store_client()
     with store_lock():
         return reap_orphaned_runs(client)
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One run as `python -m trainflow runs` lists it."""
+
+    run_id: str
+    experiment: str
+    status: str
+    start_time: int  # ms since the epoch
+    name: str
+    reason: str | None  # why trainflow marked it FAILED, if it did
+
+
+def list_runs(experiment: str | None, status: str | None, limit: int) -> list[RunRow] | None:
+    """The newest `limit` runs of `experiment` (None: every active one), of `status` if given;
+    None when there is no such experiment. Empty when the store does not exist yet."""
+    db = _sqlite_path(tracking_uri())
+    if db is not None and not db.is_file():
+        return [] if experiment is None else None
+    client = store_client()
+    names = {str(e.experiment_id): e.name for e in client.search_experiments(max_results=1000)}
+    if experiment is not None:
+        ids = [i for i, name in names.items() if name == experiment]
+        if not ids:
+            return None
+    else:
+        ids = list(names)
+    if not ids:
+        return []
+    found = client.search_runs(
+        ids,
+        filter_string=f"attributes.status = '{status}'" if status else "",
+        order_by=["attributes.start_time DESC"],
+        max_results=limit,
+    )
+    return [
+        RunRow(
+            run_id=run.info.run_id,
+            experiment=names.get(str(run.info.experiment_id), str(run.info.experiment_id)),
+            status=str(run.info.status),
+            start_time=int(run.info.start_time or 0),
+            name=run.info.run_name or "",
+            reason=run.data.tags.get(FAILURE_REASON_TAG),
+        )
+        for run in found
+    ]
 
 
 def _experiment_id(client: Any, experiment: str) -> str:
