@@ -116,8 +116,8 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
 
     `timeout_s` (default: the launch's `collective_timeout`) bounds every collective: a rank
     whose peer stopped answering fails after it instead of waiting forever, and the launcher
-    then names the peer. A group created with `dist.init_process_group` directly keeps torch's
-    own default (30 minutes for gloo, 10 for nccl).
+    then names the peer. Under the launcher a group the user's code creates with
+    `dist.init_process_group` and no `timeout=` gets the same bound (`compat.torch`).
     """
     backend = backend or default_backend()
     if timeout_s is None:

@@ -5,10 +5,15 @@ TRAINFLOW_CPU_FALLBACK=1: accelerate's own self-tests, a TRL FSDP run that saves
 Lightning reading MDS shards, a `.to("cuda:N")`, and a process group the cell opens itself.
 """
 
+import os
+import time
+
 import pytest
+import torch
 
 from tests.conftest import REPO_ROOT
-from trainflow import distributed
+from trainflow import RankError, distributed
+from trainflow.errors import HangError
 
 
 @pytest.fixture
@@ -102,3 +107,46 @@ def test_trl_fsdp_keeps_bf16_and_saves_a_model_from_pretrained_loads(tmp_path, c
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"]  # every weight came from the file
     assert type(model).__name__ == "LlamaForCausalLM"
+
+
+# --- a process group the cell opens itself ---------------------------------------------------
+
+
+@distributed(gpus=2, gpu_type="H100", collective_timeout=3)
+def waits_for_a_silent_peer() -> None:
+    """A cell that opens its own group; rank 1 then stops answering (a stuck data loader)."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    if dist.get_rank() == 1:
+        time.sleep(40)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_collective_timeout_bounds_a_group_the_cell_opens_itself(cpu_fallback):
+    start = time.monotonic()
+    with pytest.raises(HangError) as caught:
+        waits_for_a_silent_peer.distributed()
+    # Rank 0 gave up after the launch's 3 s, not torch's 30 minutes (nor rank 1's 40 s).
+    assert time.monotonic() - start < 30
+    assert "rank 1 stopped answering: rank 0 timed out after 3s" in str(caught.value)
+
+
+# --- a tensor moved to "cuda:N" ---------------------------------------------------------------
+
+
+@distributed(gpus=2, gpu_type="H100")
+def moves_to_cuda() -> float:
+    local_rank = int(os.environ["LOCAL_RANK"])
+    return torch.ones(2).to(f"cuda:{local_rank}").sum().item()
+
+
+def test_moving_a_tensor_to_cuda_names_the_fallback_and_what_to_change(cpu_fallback):
+    with pytest.raises(RankError) as caught:
+        moves_to_cuda.distributed()
+    message = str(caught.value).splitlines()[0]
+    assert "has no CUDA device: this launch is the CPU fallback" in message
+    assert "TRAINFLOW_CPU_FALLBACK=1" in message and "trainflow.runtime.get_device()" in message
+    assert "spawn" not in message  # torch's own: "Cannot re-initialize CUDA in forked ..."

@@ -44,6 +44,8 @@ BEHAVIOUR = {
     "test_torch_cell_that_asks_for_nccl_runs_on_gloo",
     "torch: DistributedDataParallel.__init__": "tests/distributed/test_notebook_cells.py::"
     "test_torch_cell_that_asks_for_nccl_runs_on_gloo",
+    "torch: cuda._lazy_init": "tests/distributed/test_notebook_fallback.py::"
+    "test_moving_a_tensor_to_cuda_names_the_fallback_and_what_to_change",
     "transformers: TrainingArguments.__post_init__": "tests/distributed/test_notebook_cells.py::"
     "test_sft_trainer_cell_trains_over_both_ranks",
     "transformers: Trainer.create_accelerator_and_postprocess": "tests/distributed/"
@@ -95,6 +97,7 @@ PRIVATE_NAMES = (
     "atexit._",
     "PREFECT__SERVER",
     "create_accelerator_and_postprocess",
+    "_lazy_init",
 )
 
 

@@ -7,6 +7,8 @@ launcher started, with no change.
 
 Every launch (the environment contract):
 
+- `dist.init_process_group(...)` called without `timeout=` (by the user's code, or a framework)
+  bounds each collective by the launch's `collective_timeout`, as the launcher's own group does.
 - Lightning: `devices="auto"` is the ranks launched on this node and `num_nodes` the launched
   nodes, so Lightning joins the launch instead of counting the node's GPUs.
 - Hugging Face accelerate (the `Trainer`, TRL), Lightning and DeepSpeed each check, once they
@@ -22,6 +24,7 @@ CPU ranks (`gpu_type="cpu"`, or the CPU fallback of GPU code; never on GPU ranks
   `device_id` is dropped and `torch.cuda.set_device` does nothing;
 - `torch.autocast("cuda", dtype=torch.bfloat16)` autocasts on the CPU;
 - `DistributedDataParallel(device_ids=[i])` of a CPU module drops `device_ids`;
+- CUDA asked for (`.to("cuda:0")`, `.cuda()`) fails naming the CPU ranks and what to change;
 - Lightning's `accelerator="gpu"` becomes the CPU and `devices=N` the launched ranks;
 - DeepSpeed uses none of its compiled ops and torch's Adam, rather than compiling C++ on every
   rank for minutes.
@@ -46,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainflow import runtime
 from trainflow.compat import deepspeed, lightning, torch, transformers
 from trainflow.compat.adaptations import record
 
@@ -111,6 +115,7 @@ def install(run_dir: Path, rank: int, device: str) -> None:
     cpu = device == "cpu"
     finder = _AfterImport()
     sys.meta_path.insert(0, finder)
+    torch.bound_collectives(runtime.collective_timeout_s())
     if cpu:
         torch.adapt_for_cpu()
         finder.watch("transformers.training_args", transformers.adapt_training_arguments)

@@ -7,9 +7,11 @@ there too.
 """
 
 import inspect
+import os
 import signal
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from trainflow.compat.adaptations import note
@@ -49,8 +51,10 @@ INIT_PROCESS_GROUP = declare(
     "torch",
     TORCH,
     target="torch.distributed.distributed_c10d:init_process_group",
-    params=("backend", "device_id"),
-    why="CPU ranks: init_process_group('nccl') runs with gloo, device_id dropped",
+    params=("backend", "device_id", "timeout"),
+    why="every rank: a group the user's code opens itself gets the launch's collective_timeout "
+    "unless it passes timeout=; CPU ranks: init_process_group('nccl') runs with gloo, "
+    "device_id dropped",
 )
 NEW_GROUP = declare(
     "torch: distributed_c10d.new_group",
@@ -83,6 +87,15 @@ AUTOCAST = declare(
     target="torch.amp.autocast_mode:autocast.__init__",
     params=("self", "device_type", "dtype"),
     why="CPU ranks: torch.autocast('cuda', dtype=torch.bfloat16) autocasts on the CPU",
+)
+CUDA_LAZY_INIT = declare(
+    "torch: cuda._lazy_init",
+    "torch",
+    TORCH,
+    target="torch.cuda:_lazy_init",
+    why="CPU ranks: `.to('cuda:N')` / `.cuda()` fail naming the CPU fallback and what to "
+    "change, not with torch's 'Cannot re-initialize CUDA in forked subprocess'",
+    public_api="none: torch has no hook on CUDA's lazy initialisation",
 )
 DDP_INIT = declare(
     "torch: DistributedDataParallel.__init__",
@@ -149,6 +162,30 @@ def name_rendezvous_events_cheaply() -> None:
     replace(GET_METHOD_NAME, dynamic_rendezvous, "get_method_name", make)
 
 
+# --- process groups the user's code opens itself ------------------------------------------------
+
+
+def bound_collectives(timeout_s: float) -> None:
+    """`dist.init_process_group(...)` called by the user's code (or a framework that passes no
+    timeout) bounds its collectives by the launch's `collective_timeout`, as the group the
+    launcher opens does, instead of torch's default (30 minutes for gloo, 10 for nccl). An
+    explicit `timeout=` stays."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            bound = _bound(original, args, kwargs)
+            if bound.arguments.get("timeout") is None:
+                bound.arguments["timeout"] = timedelta(seconds=timeout_s)
+            return original(*bound.args, **bound.kwargs)
+
+        return init_process_group
+
+    if replace(INIT_PROCESS_GROUP, c10d, "init_process_group", make):
+        dist.init_process_group = c10d.init_process_group
+
+
 # --- GPU calls on CPU ranks --------------------------------------------------------------------
 
 
@@ -184,6 +221,30 @@ def _gloo_for_nccl(
     return make
 
 
+def no_cuda_on_cpu_ranks() -> RuntimeError:
+    """The error for code that reaches for CUDA on a CPU rank (`.to("cuda:0")`, `.cuda()`).
+
+    Torch's own is about the start method ("Cannot re-initialize CUDA in forked subprocess"),
+    as CPU ranks are forked; but no start method would give a CPU rank a GPU. Torch's stays
+    as the cause.
+    """
+    rank = os.environ.get("RANK", "0")
+    why = (
+        "this launch is the CPU fallback of GPU code (TRAINFLOW_CPU_FALLBACK=1: the machine "
+        "has not the GPUs the decorator asks for)"
+        if os.environ.get("TRAINFLOW_CPU_FALLBACK") == "1"
+        else "this launch runs CPU ranks (gpu_type='cpu')"
+    )
+    return RuntimeError(
+        f"rank {rank} has no CUDA device: {why}. A tensor or module moved to 'cuda' "
+        "(.to('cuda:N'), .cuda(), device='cuda') cannot run here. Move it to the "
+        "rank's device instead: trainflow.runtime.get_device(), or "
+        "torch.device('cuda' if torch.cuda.is_available() else 'cpu'); the rest of the GPU "
+        "code is adapted (init_process_group('nccl') runs with gloo, torch.cuda.set_device "
+        "does nothing). Or run it where the GPUs are."
+    )
+
+
 def adapt_for_cpu() -> None:
     """GPU calls run on CPU ranks: nccl groups as gloo, CUDA meshes and autocast on the CPU,
     `set_device` and DDP's `device_ids` ignored. Each adaptation made is noted."""
@@ -207,6 +268,17 @@ def adapt_for_cpu() -> None:
         return set_device
 
     replace(SET_DEVICE, torch.cuda, "set_device", make_set_device)
+
+    def make_lazy_init(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _lazy_init() -> None:
+            try:
+                original()
+            except (RuntimeError, AssertionError) as exc:
+                raise no_cuda_on_cpu_ranks() from exc
+
+        return _lazy_init
+
+    replace(CUDA_LAZY_INIT, torch.cuda, "_lazy_init", make_lazy_init)
 
     def make_mesh(original: Callable[..., Any]) -> Callable[..., Any]:
         def init_device_mesh(device_type: str, *args: Any, **kwargs: Any) -> Any:
