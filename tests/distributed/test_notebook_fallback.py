@@ -150,3 +150,54 @@ def test_moving_a_tensor_to_cuda_names_the_fallback_and_what_to_change(cpu_fallb
     assert "has no CUDA device: this launch is the CPU fallback" in message
     assert "TRAINFLOW_CPU_FALLBACK=1" in message and "trainflow.runtime.get_device()" in message
     assert "spawn" not in message  # torch's own: "Cannot re-initialize CUDA in forked ..."
+
+
+# --- Lightning reading MDS -------------------------------------------------------------------
+
+
+@distributed(gpus=2, gpu_type="H100")
+def lightning_reads_mds(path: str) -> dict:
+    """A Lightning cell over MDS shards as written for GPUs: no process group set up first."""
+    import lightning as L
+    from streaming import StreamingDataset
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    class Regression(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(1, 1)
+            self.seen: list[int] = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen += batch["x"].tolist()
+            x = batch["x"].float().unsqueeze(-1)
+            return nn.functional.mse_loss(self.net(x), 2 * x)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    dataset = StreamingDataset(local=path, batch_size=4, shuffle=False)
+    module = Regression()
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices="auto",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(module, DataLoader(dataset, batch_size=4))
+    return {"world": trainer.world_size, "seen": module.seen}
+
+
+def test_lightning_reads_mds_without_a_group_opened_first(tmp_path, cpu_fallback):
+    from streaming import MDSWriter
+
+    with MDSWriter(out=str(tmp_path / "mds"), columns={"x": "int"}) as writer:
+        for i in range(64):
+            writer.write({"x": i})
+    results = lightning_reads_mds.distributed(str(tmp_path / "mds"))
+    assert [rank["world"] for rank in results] == [2, 2]
+    first, second = (set(rank["seen"]) for rank in results)
+    assert len(first) == len(second) == 32 and first | second == set(range(64))

@@ -9,6 +9,8 @@ Every launch (the environment contract):
 
 - `dist.init_process_group(...)` called without `timeout=` (by the user's code, or a framework)
   bounds each collective by the launch's `collective_timeout`, as the launcher's own group does.
+- a default group opened again after one was destroyed (streaming's set-up, then Lightning's)
+  connects: it gets store keys of its own rather than the closed group's addresses.
 - Lightning: `devices="auto"` is the ranks launched on this node and `num_nodes` the launched
   nodes, so Lightning joins the launch instead of counting the node's GPUs.
 - Hugging Face accelerate (the `Trainer`, TRL), Lightning and DeepSpeed each check, once they
@@ -115,7 +117,7 @@ def install(run_dir: Path, rank: int, device: str) -> None:
     cpu = device == "cpu"
     finder = _AfterImport()
     sys.meta_path.insert(0, finder)
-    torch.bound_collectives(runtime.collective_timeout_s())
+    torch.own_groups(runtime.collective_timeout_s())
     if cpu:
         torch.adapt_for_cpu()
         finder.watch("transformers.training_args", transformers.adapt_training_arguments)

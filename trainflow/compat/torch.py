@@ -7,6 +7,7 @@ there too.
 """
 
 import inspect
+import itertools
 import os
 import signal
 import sys
@@ -51,10 +52,10 @@ INIT_PROCESS_GROUP = declare(
     "torch",
     TORCH,
     target="torch.distributed.distributed_c10d:init_process_group",
-    params=("backend", "device_id", "timeout"),
+    params=("backend", "init_method", "timeout", "world_size", "rank", "store", "device_id"),
     why="every rank: a group the user's code opens itself gets the launch's collective_timeout "
-    "unless it passes timeout=; CPU ranks: init_process_group('nccl') runs with gloo, "
-    "device_id dropped",
+    "unless it passes timeout=, and one opened again after a destroy store keys of its own; "
+    "CPU ranks: init_process_group('nccl') runs with gloo, device_id dropped",
 )
 NEW_GROUP = declare(
     "torch: distributed_c10d.new_group",
@@ -165,19 +166,44 @@ def name_rendezvous_events_cheaply() -> None:
 # --- process groups the user's code opens itself ------------------------------------------------
 
 
-def bound_collectives(timeout_s: float) -> None:
-    """`dist.init_process_group(...)` called by the user's code (or a framework that passes no
-    timeout) bounds its collectives by the launch's `collective_timeout`, as the group the
-    launcher opens does, instead of torch's default (30 minutes for gloo, 10 for nccl). An
-    explicit `timeout=` stays."""
+def own_groups(timeout_s: float) -> None:
+    """Process groups the user's code (or a framework) opens with `dist.init_process_group`.
+
+    - Without `timeout=`, each collective is bounded by the launch's `collective_timeout`, as
+      in the group the launcher opens, instead of torch's default (30 minutes for gloo, 10 for
+      nccl). An explicit `timeout=` stays.
+    - A default group opened again after one was destroyed (streaming's `StreamingDataset`
+      opens one for its set-up and destroys it; Lightning's Trainer then opens its own) gets
+      keys of its own in the agent's store: under torch's own keys each rank read its peers'
+      addresses from the first group, long closed, and the second group never connected.
+    """
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+
+    opened = itertools.count()
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def init_process_group(*args: Any, **kwargs: Any) -> Any:
             bound = _bound(original, args, kwargs)
-            if bound.arguments.get("timeout") is None:
-                bound.arguments["timeout"] = timedelta(seconds=timeout_s)
+            given = bound.arguments
+            if given.get("timeout") is None:
+                given["timeout"] = timedelta(seconds=timeout_s)
+            again = next(opened)
+            from_env = given.get("store") is None and given.get("init_method") in (None, "env://")
+            if again and from_env and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                store = dist.TCPStore(
+                    os.environ["MASTER_ADDR"],
+                    int(os.environ["MASTER_PORT"]),
+                    is_master=False,
+                    timeout=given["timeout"],
+                )
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                given["store"] = dist.PrefixStore(f"attempt_{attempt}/group_{again}", store)
+                given["init_method"] = None
+                if given.get("rank", -1) == -1:
+                    given["rank"] = int(os.environ["RANK"])
+                if given.get("world_size", -1) == -1:
+                    given["world_size"] = int(os.environ["WORLD_SIZE"])
             return original(*bound.args, **bound.kwargs)
 
         return init_process_group
