@@ -8,6 +8,7 @@ end with (and of the optimizer, where the pipeline's last checkpoint holds it) m
 `torch.equal`: fp32 on CPU, the same operations in the same order, nothing left to tolerance.
 """
 
+import importlib
 import os
 import signal
 from pathlib import Path
@@ -38,14 +39,6 @@ def train_and_die(config: Any, strategy: Any, **kwargs: Any) -> Any:
     """The pipeline's own `train`; in the first attempt rank 1 SIGKILLs itself right after the
     heartbeat of the step in `KILL_ENV` (a real kill: no cleanup runs). The result's
     `test_attempt` metric says which attempt finished."""
-    from trainflow.workloads import detection, mlp, transformer, two_tower
-
-    trains = {
-        MLPConfig: mlp.train,
-        TransformerConfig: transformer.train,
-        DetectionJob: detection.train,
-        TwoTowerJob: two_tower.train,
-    }
     kill_after = int(os.environ.get(KILL_ENV, "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if kill_after and attempt == 0 and os.environ.get("RANK") == "1":
@@ -57,7 +50,8 @@ def train_and_die(config: Any, strategy: Any, **kwargs: Any) -> Any:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         runtime.heartbeat = heartbeat
-    result = trains[type(config)](config, strategy, **kwargs)
+    train = importlib.import_module(f"trainflow.workloads.{_pipeline(config)}").train
+    result = train(config, strategy, **kwargs)
     result.metrics["test_attempt"] = float(attempt)
     return result
 
