@@ -19,14 +19,16 @@ def _start_ahead() -> None:
     name = argv[at + 1].removeprefix("flows.")
     if name == argv[at + 1]:
         return
-    from trainflow.cli import start_ahead
+    from trainflow.cli import refuse_resume_ahead, start_ahead
     from trainflow.pipelines import PIPELINES
 
     spec = PIPELINES.get(name)
+    args = argv[at + 2 :]
+    if spec is not None and spec.startup_hook("command_line") is None:
+        refuse_resume_ahead(name, spec.defaults(), args, spec.presets_by_name())
     ahead = spec.startup_hook("start_agent") if spec is not None else None
     if spec is None or ahead is None:
         return
-    args = argv[at + 2 :]
     check = spec.startup_hook("check_files")
     start_ahead(name, spec.defaults(), args, spec.presets_by_name(), check, ahead)
 

@@ -341,6 +341,34 @@ def start_ahead(
     ahead(config)
 
 
+def refuse_resume_ahead(
+    name: str, defaults: M, argv: list[str], presets: Mapping[str, Callable[[], M]] | None
+) -> None:
+    """`python -m flows.<name> --resume RUN_ID`, before the flow's module imports Prefect: a
+    resume `check_resume` refuses exits 2 here, in one line, in about a second. Any other
+    problem of the command line is left for `run_pipeline`, which reads it again."""
+    import io
+
+    if not any(arg == "--resume" or arg.startswith("--resume=") for arg in argv):
+        return
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            config = _command_line_config(name, defaults, argv, None, presets)[0]
+    except SystemExit:
+        if ": error: --resume " in err.getvalue():  # no such run of this pipeline here
+            sys.stderr.write(err.getvalue())
+            raise
+        return  # another usage error, --help: `run_pipeline` reports it
+    except Exception:
+        return
+    try:
+        check_resume(name, config)
+    except ValueError as exc:
+        print(f"python -m flows.{name}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 class Terminated(BaseException):
     """SIGTERM arrived: stop the pipeline as Ctrl-C would (the run ends KILLED).
 
