@@ -42,6 +42,7 @@ import faulthandler
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -148,6 +149,8 @@ class Run:
         self.processes = 0
         self.run_id: str | None = None
         self.seen: dict[int, psutil.Process] = {}
+        self.used: set[str] = set()  # /tmp and /dev/shm entries its processes held
+        self.looked_at = 0.0
 
     def start(self, *extra: str) -> None:
         self.processes += 1
@@ -181,6 +184,16 @@ class Run:
             root = psutil.Process(self.proc.pid)
             for p in [root, *root.children(recursive=True)]:
                 self.seen.setdefault(p.pid, p)
+        if time.monotonic() - self.looked_at > 1.0:
+            self.looked_at = time.monotonic()
+            for p in list(self.seen.values()):
+                self.used |= shared_entries(p)
+
+    def made(self, entry: str) -> bool:
+        """Whether a /tmp or /dev/shm entry is this run's: one of its processes held it open
+        or mapped it, or it is named after one of them."""
+        name = entry.rsplit("/", 1)[-1]
+        return entry in self.used or any(re.search(rf"\b{pid}\b", name) for pid in self.seen)
 
     def output_tail(self) -> str:
         return self.out.read_text(errors="replace")[-4000:]
@@ -559,6 +572,18 @@ def runs_left_running(client) -> list[str]:
     ]
 
 
+def shared_entries(proc: psutil.Process) -> set[str]:
+    """The /tmp and /dev/shm entries (first level) a process holds open or has mapped."""
+    found = set()
+    with contextlib.suppress(psutil.Error):
+        paths = [f.path for f in proc.open_files()] + [m.path for m in proc.memory_maps()]
+        for path in paths:
+            for folder in ("/tmp/", "/dev/shm/"):
+                if path.startswith(folder):
+                    found.add(folder + path[len(folder) :].split("/", 1)[0])
+    return found
+
+
 def temp_entries() -> set[str]:
     found = set()
     for folder in ("/tmp", "/dev/shm"):
@@ -589,7 +614,11 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="trainflow-chaos-") as tmp:
         row = chaos(args.pipeline, args.faults, args.seed, kinds, Path(tmp))
-    row["files_left"] = sorted(temp_entries() - before) + row["files_left"]
+    # What other processes on the machine made meanwhile is not counted (but reported).
+    new, made = temp_entries() - before, row.pop("made")
+    mine = {e for e in new if made(e)}
+    row["files_left"] = sorted(mine) + row["files_left"]
+    row["files_new_by_others"] = len(new - mine)
     row["wall_s"] = round(time.monotonic() - started, 1)
     print(json.dumps(row))
     return row
@@ -672,6 +701,7 @@ def chaos(pipeline: str, num_faults: int, seed: int, kinds: list[str], tmp: Path
         prefect_server.stop()
         keeper.shutdown()
     row["processes_left"] = [p for r in runs for p in r.left()]
+    row["made"] = lambda entry: any(r.made(entry) for r in runs)
     # torch's compile cache (`torchinductor_<user>`) is meant to outlive a run.
     row["files_left"] = sorted(
         f"$TMPDIR/{p.name}"
