@@ -4,6 +4,7 @@ Pipeline configs subclass `PipelineConfig`, so `--gpus`, `--checkpoint-every` or
 the same in every pipeline, on the command line, in the Prefect UI and in deployments.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -64,11 +65,28 @@ def check_resume_config(pipeline: str, config: BaseModel, run_id: str) -> None:
         ValueError: no such run of `pipeline` here, or naming each option that differs.
     """
     own = type(config).model_validate(read_run_config(pipeline, run_id))
-    mine, theirs = config.training_fields(), own.training_fields()  # type: ignore[attr-defined]
-    changed = [f"{k} ({theirs[k]!r} -> {mine[k]!r})" for k in mine if mine[k] != theirs.get(k)]
+    mine = _leaves(config.training_fields())  # type: ignore[attr-defined]
+    theirs = _leaves(own.training_fields())  # type: ignore[attr-defined]
+    changed = [
+        f"{k} ({theirs.get(k)!r} -> {mine.get(k)!r})"
+        for k in sorted(mine.keys() | theirs.keys())
+        if mine.get(k) != theirs.get(k)
+    ]
     if changed:
         raise ValueError(
             f"resume {run_id}: these options differ from the run's own config: "
             f"{', '.join(changed)}; a resumed run trains with its own config "
             f"(the command line starts from it)"
         )
+
+
+def _leaves(fields: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"training": {"batch_size": 8}}` -> `{"training.batch_size": 8}`: the options a person
+    typed, so a refusal names just the ones that differ."""
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        if isinstance(value, Mapping):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
