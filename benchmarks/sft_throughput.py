@@ -95,6 +95,9 @@ def plain(steps: int, rows_file: str, out: str, dump_first_batch: bool) -> None:
         max_length=config.max_length,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        # The pipeline counts the run's tokens into the Trainer's state (one more all-reduce a
+        # step): the same work here.
+        include_num_input_tokens_seen="non_padding",
         use_cpu=on_cpu,
         ddp_backend="gloo" if on_cpu else "nccl",
         ddp_bucket_cap_mb=25,

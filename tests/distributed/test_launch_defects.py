@@ -409,3 +409,25 @@ def test_a_remote_call_says_how_its_flow_run_goes_while_it_waits(prefect_api):
     rank = said.index("[remote] [rank 1] loss 0.5")
     ended = [i for i, line in enumerate(said) if "ended Completed" in line]
     assert running and ended and running[0] < rank < ended[0], said
+
+
+def test_a_store_server_on_torch_without_a_libuv_listen_socket_falls_back_to_the_older_backend():
+    # torch 2.7 (LLM Foundry's environment): the libuv backend refuses a listening socket.
+    from trainflow.launch.listen import tcp_store_server
+
+    made: list[dict] = []
+
+    class Store:
+        def __init__(self, host, port, is_master, master_listen_fd, **kwargs):
+            made.append({"fd": master_listen_fd, "port": port, **kwargs})
+            if kwargs.get("use_libuv", True):
+                raise NotImplementedError("The libuv TCPStore backend does not support ...")
+            self.port = port
+
+    store = tcp_store_server(Store, "127.0.0.1", 0, multi_tenant=True)
+    assert [m.get("use_libuv", True) for m in made] == [True, False]
+    assert all(m["multi_tenant"] for m in made)
+    listening = _listening([os.getpid()])
+    assert ("127.0.0.1", made[0]["port"]) not in listening  # the refused socket was closed
+    assert listening.count(("127.0.0.1", store.port)) == 1
+    os.close(made[1]["fd"])

@@ -26,6 +26,10 @@ ROOT = Path(trainflow.__file__).parent.parent
 
 # The test that shows each patch doing its job, and fails when an upgrade breaks it.
 BEHAVIOUR = {
+    "torch: c10d_rendezvous_backend.TCPStore": "tests/distributed/test_launch_defects.py::"
+    "test_a_launch_listens_on_loopback_only",
+    "torch: DynamicRendezvousHandler._create_tcp_store_server": "tests/distributed/"
+    "test_launch_defects.py::test_a_launch_listens_on_loopback_only",
     "torch: LocalElasticAgent._stop_workers": "tests/distributed/test_stop_grace.py::"
     "test_survivors_of_a_failed_attempt_are_stopped_at_once_for_the_restart",
     "torch: LocalElasticAgent._shutdown": "tests/distributed/test_stop_grace.py::"
@@ -98,6 +102,8 @@ PRIVATE_NAMES = (
     "PREFECT__SERVER",
     "create_accelerator_and_postprocess",
     "_lazy_init",
+    "_create_tcp_store_server",
+    "c10d_rendezvous_backend.TCPStore",
 )
 
 
@@ -240,7 +246,7 @@ def test_gpu_calls_on_a_cpu_rank_run_on_the_cpu(tmp_path):
         from pathlib import Path
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
         from trainflow.compat import cpu_fallback
-        cpu_fallback.install(Path({str(tmp_path)!r}), 0, "cpu")
+        cpu_fallback.install(Path({str(tmp_path)!r}), 0, "cpu", 600.0)
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         dist.init_process_group("nccl", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
@@ -291,3 +297,24 @@ def test_the_architecture_doc_lists_every_patch_with_its_range():
     for patch in PATCHES.values():
         assert patch.name in rows, f"docs/architecture.md does not list {patch.name!r}"
         assert f"| {patch.versions} | {patch.outside} |" in rows[patch.name]
+
+
+def test_a_cuda_probe_on_a_cpu_rank_fails_with_torchs_own_exception_class(monkeypatch):
+    # A CPU build of torch raises AssertionError, a CUDA build without a device RuntimeError;
+    # frameworks that probe CUDA (axolotl's peer-access check) catch the class they expect.
+    from trainflow.compat.torch import explain_lazy_init
+
+    monkeypatch.setenv("RANK", "1")
+
+    def cpu_build() -> None:
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    def no_driver() -> None:
+        raise RuntimeError("Found no NVIDIA driver on your system.")
+
+    with pytest.raises(AssertionError, match="rank 1 has no CUDA device") as cpu:
+        explain_lazy_init(cpu_build)()
+    assert "not compiled" in str(cpu.value.__cause__)
+    with pytest.raises(RuntimeError, match="rank 1 has no CUDA device") as gpu:
+        explain_lazy_init(no_driver)()
+    assert not isinstance(gpu.value, AssertionError)

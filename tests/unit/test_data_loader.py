@@ -78,9 +78,10 @@ def test_corrupted_shard_fails_the_hash_check_naming_the_file(tmp_path):
     data[-8:] = bytes(8 - i for i in range(8))  # same size, different bytes
     shard.write_bytes(bytes(data))
     loader = build_dataloader(result.uri, "train", LoaderConfig(batch_size=8, shuffle=False))
-    # streaming alone would end this epoch early and only log the error.
+    # streaming alone would end this epoch early and only log the error; the published
+    # split's shards are checked against their index's sha1 before the first batch.
     with pytest.raises(
-        DataError, match=rf"split 'train' of .* stopped early: Checksum failure: .*/{shard.name}"
+        DataError, match=rf"is damaged: shard .*/{shard.name}: its sha1 does not match its index"
     ):
         batch_ids(loader)
 

@@ -51,7 +51,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainflow import runtime
 from trainflow.compat import deepspeed, lightning, torch, transformers
 from trainflow.compat.adaptations import record
 
@@ -111,13 +110,16 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             hook(module)
 
 
-def install(run_dir: Path, rank: int, device: str) -> None:
-    """Put this rank's adaptations in place (call once, before the user's code is loaded)."""
+def install(run_dir: Path, rank: int, device: str, collective_timeout_s: float) -> None:
+    """Put this rank's adaptations in place (call once, before the user's code is loaded).
+
+    `collective_timeout_s` bounds the collectives of a process group the user's code opens
+    without `timeout=` (the launch's `collective_timeout`)."""
     record.start(run_dir, rank)
     cpu = device == "cpu"
     finder = _AfterImport()
     sys.meta_path.insert(0, finder)
-    torch.own_groups(runtime.collective_timeout_s())
+    torch.own_groups(collective_timeout_s)
     if cpu:
         torch.adapt_for_cpu()
         finder.watch("transformers.training_args", transformers.adapt_training_arguments)

@@ -98,6 +98,27 @@ CUDA_LAZY_INIT = declare(
     "change, not with torch's 'Cannot re-initialize CUDA in forked subprocess'",
     public_api="none: torch has no hook on CUDA's lazy initialisation",
 )
+RENDEZVOUS_STORE = declare(
+    "torch: c10d_rendezvous_backend.TCPStore",
+    "torch",
+    TORCH,
+    target="torch.distributed.elastic.rendezvous.c10d_rendezvous_backend:TCPStore",
+    why="the agent's c10d rendezvous store listens on one address (loopback for one node), "
+    "not on every interface",
+    public_api="none: the c10d rendezvous backend builds its TCPStore itself, from a host "
+    "that a TCPStore server ignores",
+)
+SHARED_STORE = declare(
+    "torch: DynamicRendezvousHandler._create_tcp_store_server",
+    "torch",
+    TORCH,
+    target="torch.distributed.elastic.rendezvous.dynamic_rendezvous:"
+    "DynamicRendezvousHandler._create_tcp_store_server",
+    params=("self", "master_addr", "master_port"),
+    why="the store the ranks share at MASTER_PORT listens on one address, not on every "
+    "interface",
+    public_api="none: the handler builds the store itself",
+)
 DDP_INIT = declare(
     "torch: DistributedDataParallel.__init__",
     "torch",
@@ -135,6 +156,38 @@ def stop_workers_with_sigkill() -> None:
         return _stop_workers
 
     replace(STOP_WORKERS, LocalElasticAgent, "_stop_workers", make)
+
+
+def bind_elastic_stores(server: Callable[..., Any]) -> None:
+    """Have the agent's two store servers, the c10d rendezvous store and the store its ranks
+    share at `MASTER_PORT`, built by `server(port, **tcpstore_kwargs)`, which listens on one
+    address only (`trainflow.launch.listen`): torch's `TCPStore` server listens on every
+    interface whatever host it is given. Clients stay torch's own."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
+
+    def make_rendezvous(original: Callable[..., Any]) -> Callable[..., Any]:
+        def rendezvous_store(host: str, port: int, is_master: bool = False, **kwargs: Any) -> Any:
+            if not is_master:
+                return original(host, port, is_master=False, **kwargs)
+            return server(port, **kwargs)
+
+        return rendezvous_store
+
+    def make_shared(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _create_tcp_store_server(self: Any, master_addr: str, master_port: int) -> Any:
+            return server(master_port, multi_tenant=True)
+
+        return _create_tcp_store_server
+
+    if c10d_rendezvous_backend.TCPStore is TCPStore:  # not replaced yet
+        replace(RENDEZVOUS_STORE, c10d_rendezvous_backend, "TCPStore", make_rendezvous)
+    replace(
+        SHARED_STORE,
+        dynamic_rendezvous.DynamicRendezvousHandler,
+        "_create_tcp_store_server",
+        make_shared,
+    )
 
 
 def caller_name(depth: int = 2) -> str:
@@ -271,6 +324,25 @@ def no_cuda_on_cpu_ranks() -> RuntimeError:
     )
 
 
+def explain_lazy_init(original: Callable[[], None]) -> Callable[[], None]:
+    """`torch.cuda._lazy_init` whose failure on a CPU rank names the fallback
+    (`no_cuda_on_cpu_ranks`), keeping torch's exception class: a CPU build raises
+    `AssertionError` ("Torch not compiled with CUDA enabled"), a CUDA build without a device
+    `RuntimeError`, and code that probes CUDA catches the one it expects (axolotl's peer-access
+    check catches `AssertionError`)."""
+
+    def _lazy_init() -> None:
+        try:
+            original()
+        except (RuntimeError, AssertionError) as exc:
+            explained = no_cuda_on_cpu_ranks()
+            if isinstance(exc, AssertionError):
+                raise AssertionError(*explained.args) from exc
+            raise explained from exc
+
+    return _lazy_init
+
+
 def adapt_for_cpu() -> None:
     """GPU calls run on CPU ranks: nccl groups as gloo, CUDA meshes and autocast on the CPU,
     `set_device` and DDP's `device_ids` ignored. Each adaptation made is noted."""
@@ -295,16 +367,7 @@ def adapt_for_cpu() -> None:
 
     replace(SET_DEVICE, torch.cuda, "set_device", make_set_device)
 
-    def make_lazy_init(original: Callable[..., Any]) -> Callable[..., Any]:
-        def _lazy_init() -> None:
-            try:
-                original()
-            except (RuntimeError, AssertionError) as exc:
-                raise no_cuda_on_cpu_ranks() from exc
-
-        return _lazy_init
-
-    replace(CUDA_LAZY_INIT, torch.cuda, "_lazy_init", make_lazy_init)
+    replace(CUDA_LAZY_INIT, torch.cuda, "_lazy_init", explain_lazy_init)
 
     def make_mesh(original: Callable[..., Any]) -> Callable[..., Any]:
         def init_device_mesh(device_type: str, *args: Any, **kwargs: Any) -> Any:

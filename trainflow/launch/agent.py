@@ -29,7 +29,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainflow.compat import stdlib
 from trainflow.compat import torch as compat_torch
 from trainflow.launch import worker
-from trainflow.launch.listen import bind_elastic_stores, node_address
+from trainflow.launch.listen import elastic_store_server, node_address
 from trainflow.launch.run_dir import RunDir
 from trainflow.launch.spec import AGENT_PID_ENV, LaunchSpec, LaunchSpecError
 
@@ -239,7 +239,7 @@ def _launch_config(spec: LaunchSpec, rd: RunDir) -> LaunchConfig:
     # The stores this agent hosts listen on one address only: loopback for one node (its
     # rendezvous is 127.0.0.1:0), else this node's address toward the rendezvous host.
     address = node_address(spec.rdzv_endpoint.rpartition(":")[0])
-    bind_elastic_stores(address)
+    compat_torch.bind_elastic_stores(elastic_store_server(address))
     config = LaunchConfig(
         min_nodes=spec.min_nodes or spec.nnodes,
         max_nodes=spec.nnodes,

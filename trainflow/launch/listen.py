@@ -60,9 +60,22 @@ def listening_fd(address: str, port: int) -> tuple[int, int]:
 def tcp_store_server(store_cls: Any, address: str, port: int, **kwargs: Any) -> Any:
     """A `TCPStore` server (`store_cls`) that listens on `address:port` only.
 
+    torch's libuv backend takes a listening socket from 2.8 on; before (LLM Foundry's
+    environment has 2.7) it raises `NotImplementedError`, and the server is made again on
+    torch's older backend, which does.
+
     Raises:
         RuntimeError: the socket cannot be bound there (what `TCPStore` raises itself).
     """
+    try:
+        return _server_on_fd(store_cls, address, port, **kwargs)
+    except NotImplementedError:
+        if kwargs.get("use_libuv") is False:
+            raise
+        return _server_on_fd(store_cls, address, port, **{**kwargs, "use_libuv": False})
+
+
+def _server_on_fd(store_cls: Any, address: str, port: int, **kwargs: Any) -> Any:
     try:
         fd, bound = listening_fd(address, port)
     except OSError as exc:
@@ -75,22 +88,13 @@ def tcp_store_server(store_cls: Any, address: str, port: int, **kwargs: Any) -> 
         raise
 
 
-def bind_elastic_stores(address: str) -> None:
-    """Make torch elastic's stores in this process (the agent's) listen on `address` only:
-    the c10d rendezvous store, and the store shared with the ranks at `MASTER_PORT` (whose
-    `MASTER_ADDR` is the agent's `local_addr`, to be set to `address` as well)."""
+def elastic_store_server(address: str) -> Any:
+    """What `compat.torch.bind_elastic_stores` takes: a `TCPStore` server on `address` only,
+    for the agent's rendezvous store and the store its ranks share (whose `MASTER_ADDR` is the
+    agent's `local_addr`, to be set to `address` as well)."""
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
 
-    def rendezvous_store(host: str, port: int, is_master: bool = False, **kwargs: Any) -> Any:
-        if not is_master:
-            return TCPStore(host, port, is_master=False, **kwargs)
+    def server(port: int, **kwargs: Any) -> Any:
         return tcp_store_server(TCPStore, address, port, **kwargs)
 
-    def shared_store(self: Any, master_addr: str, master_port: int) -> Any:
-        return tcp_store_server(TCPStore, address, master_port, multi_tenant=True)
-
-    c10d_rendezvous_backend.TCPStore = rendezvous_store  # type: ignore[misc,assignment]
-    handler = dynamic_rendezvous.DynamicRendezvousHandler
-    if hasattr(handler, "_create_tcp_store_server"):  # torch 2.4 on: the store ranks share
-        handler._create_tcp_store_server = shared_store  # type: ignore[method-assign]
+    return server

@@ -198,7 +198,7 @@ def main(run_dir: str) -> None:
     for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    cpu_fallback.install(rd.path, rank, spec.device)
+    cpu_fallback.install(rd.path, rank, spec.device, spec.collective_timeout_s)
 
     where = "loading the function and its arguments"
     created_group = False
