@@ -115,8 +115,7 @@ SHARED_STORE = declare(
     target="torch.distributed.elastic.rendezvous.dynamic_rendezvous:"
     "DynamicRendezvousHandler._create_tcp_store_server",
     params=("self", "master_addr", "master_port"),
-    why="the store the ranks share at MASTER_PORT listens on one address, not on every "
-    "interface",
+    why="the store the ranks share at MASTER_PORT listens on one address, not on every interface",
     public_api="none: the handler builds the store itself",
 )
 DDP_INIT = declare(
