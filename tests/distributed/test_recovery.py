@@ -24,9 +24,10 @@ WEIGHT_ATOL = 1e-6
 CHECKPOINT_EVERY = 10
 
 
-def config() -> MLPConfig:
+def config(async_checkpoints: bool = False) -> MLPConfig:
     # 2 ranks x 1024 rows / 32 = 32 steps an epoch; 2 epochs: the kill may land in either.
     return MLPConfig(
+        async_checkpoints=async_checkpoints,
         num_train_samples=2048,
         batch_size=32,
         num_epochs=2,
@@ -40,8 +41,8 @@ def config() -> MLPConfig:
     )
 
 
-def run(output_dir: Path, kill_after: int = 0) -> list:
-    cfg = config()
+def run(output_dir: Path, kill_after: int = 0, async_checkpoints: bool = False) -> list:
+    cfg = config(async_checkpoints)
     workload = Workload(
         train_fn=train_and_die,
         model_fn=build_model,
@@ -94,6 +95,36 @@ def test_a_rank_killed_mid_training_restarts_from_the_checkpoint_and_ends_identi
     # The restarted attempt logged the same losses as the uninterrupted run from its restart on.
     assert min(result.history) > resumed_at
     assert result.history == {s: reference.history[s] for s in result.history}
+    kept = checkpoint.complete_checkpoints(tmp_path / "checkpoints")
+    every_tenth_and_last = sorted({*range(CHECKPOINT_EVERY, total + 1, CHECKPOINT_EVERY), total})
+    assert [checkpoint.read_meta(p)["step"] for p in kept] == every_tenth_and_last[-2:]
+    assert not list((tmp_path / "checkpoints").glob(".*.partial"))
+
+
+def test_with_background_checkpoints_a_killed_rank_resumes_from_a_whole_one_and_ends_identical(
+    uninterrupted, tmp_path
+):
+    # The kill lands 1 step after a checkpoint began: written in the background, it may not
+    # be whole yet, and then the one before it is where the restart continues from.
+    reference_dir, reference = uninterrupted
+    total = reference.steps
+    kill_after = 2 * CHECKPOINT_EVERY + 1
+    result = run(tmp_path, kill_after, async_checkpoints=True)[0]
+
+    assert result.steps == total
+    steps = [
+        json.loads(line)["step"] for line in sample_log_path(tmp_path, 0).read_text().splitlines()
+    ]
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[restart] - 1 in (CHECKPOINT_EVERY, 2 * CHECKPOINT_EVERY)
+    for rank in (0, 1):
+        assert read_sample_log(sample_log_path(tmp_path, rank)) == read_sample_log(
+            sample_log_path(reference_dir, rank)
+        )
+    got = torch.load(tmp_path / "model.pt", weights_only=True)
+    want = torch.load(reference_dir / "model.pt", weights_only=True)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, atol=WEIGHT_ATOL, rtol=0)
     kept = checkpoint.complete_checkpoints(tmp_path / "checkpoints")
     every_tenth_and_last = sorted({*range(CHECKPOINT_EVERY, total + 1, CHECKPOINT_EVERY), total})
     assert [checkpoint.read_meta(p)["step"] for p in kept] == every_tenth_and_last[-2:]

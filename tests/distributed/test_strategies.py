@@ -127,6 +127,33 @@ def test_fsdp_matches_single_process_and_resumes_on_one_rank(tmp_path):
     assert_exported_model(one_rank, config, expected_state)
 
 
+@pytest.mark.parametrize("technique", [DDPConfig(), FSDPConfig()], ids=["ddp", "fsdp"])
+def test_background_checkpoints_hold_the_state_of_their_step_and_resume_exactly(
+    tmp_path, technique
+):
+    # Steps 2 and 4 are written in the background while steps 3 to 6 change the weights in
+    # place: each checkpoint must hold its own step's state (staged before training went on).
+    config = tiny_config(technique, checkpoint_every=2).model_copy(
+        update={"async_checkpoints": True, "keep_checkpoints": 3}
+    )
+    two_ranks = run(config, tmp_path / "two")[0]
+    expected_losses, expected_state = reference(config)
+    assert_close_losses(losses(two_ranks), expected_losses)
+    root = tmp_path / "two" / "checkpoints"
+    assert [p.name for p in checkpoint.complete_checkpoints(root)] == [
+        "step_000002",
+        "step_000004",
+        "step_000006",
+    ]
+    assert not list(root.glob(".*.partial"))
+    one_rank = run(
+        tiny_config(technique, gpus=1), tmp_path / "one", resume_from=str(root / "step_000004")
+    )[0]
+    assert sorted(one_rank.history) == [5, 6]
+    assert_close_losses(losses(one_rank), {s: expected_losses[s] for s in (5, 6)})
+    assert_exported_model(one_rank, config, expected_state)
+
+
 def zero_train_then_resume(config: TransformerConfig, output_dir: str) -> dict:
     """On each rank: per ZeRO stage, train with checkpoints, then resume a fresh engine."""
     results = {}

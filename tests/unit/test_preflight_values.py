@@ -69,6 +69,22 @@ def test_other_values_the_ranks_would_fail_on_are_refused(capsys, name, argv, na
     assert names in _refused(capsys, name, *argv)
 
 
+@pytest.mark.parametrize(
+    ("name", "argv", "names"),
+    [
+        ("sft", ("--async-checkpoints",), "async_checkpoints: this pipeline checkpoints through"),
+        ("two_tower", ("--async-checkpoints",), "its framework's own trainer"),
+        (
+            "transformer",
+            ("--async-checkpoints", "--technique", '{"name": "deepspeed", "zero_stage": 3}'),
+            "async_checkpoints: technique 'deepspeed' writes its checkpoints at once",
+        ),
+    ],
+)
+def test_background_checkpoints_where_nothing_writes_them_are_refused(capsys, name, argv, names):
+    assert names in _refused(capsys, name, *argv)
+
+
 def test_the_command_exits_2_in_one_line_without_a_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "flows.two_tower", "--training-batch-size", "100000"],

@@ -5,9 +5,9 @@ the same in every pipeline, on the command line, in the Prefect UI and in deploy
 """
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from trainflow.paths import SafeName, read_run_config
 from trainflow.resources import Resources
@@ -24,6 +24,13 @@ class PipelineConfig(Resources):
     )
     keep_checkpoints: int = Field(
         default=2, ge=1, description="Complete checkpoints kept; older ones are deleted."
+    )
+    async_checkpoints: bool = Field(
+        default=False,
+        description="Write checkpoints in the background (DDP and FSDP in trainflow's own loop: "
+        "MLP, transformer, detection): the state is copied to host memory and training goes on "
+        "while a thread writes it; it counts only once every rank's files are written. The last "
+        "checkpoint and a stop's are written at once; other techniques always are.",
     )
     resume: SafeName | None = Field(
         default=None,
@@ -43,6 +50,27 @@ class PipelineConfig(Resources):
         "training holds `gpus` of its slots while its ranks run, so sweeps and runs sharing the "
         "pool never start more ranks than it has. The limit must exist; none: no limit.",
     )
+
+    # Whether the pipeline trains in trainflow's own loop, whose DDP and FSDP checkpoints can
+    # be written in the background (`async_checkpoints`).
+    BACKGROUND_CHECKPOINTS: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _async_checkpoints_where_they_run(self) -> "PipelineConfig":
+        if not self.async_checkpoints:
+            return self
+        technique = getattr(getattr(self, "technique", None), "name", None)
+        if not self.BACKGROUND_CHECKPOINTS:
+            raise ValueError(
+                "async_checkpoints: this pipeline checkpoints through its framework's own "
+                "trainer, which writes at once; leave it off"
+            )
+        if technique not in ("ddp", "fsdp"):
+            raise ValueError(
+                f"async_checkpoints: technique {technique!r} writes its checkpoints at once; "
+                "background checkpoints are for ddp and fsdp"
+            )
+        return self
 
     def training_fields(self) -> dict[str, Any]:
         """The options that decide what is trained, not where or how robustly.

@@ -116,6 +116,8 @@ class EvaluationSettings(_Model):
 class DetectionConfig(PipelineConfig):
     """Everything the detection pipeline needs; shown as the run form in the Prefect UI."""
 
+    BACKGROUND_CHECKPOINTS = True  # trains in trainflow's own loop
+
     data: ShapesData = Field(default_factory=ShapesData, description="The generated dataset.")
     model: ModelSettings = Field(
         default_factory=ModelSettings, description="RetinaNet backbone and sizes."

@@ -13,6 +13,8 @@ from trainflow.strategies.config import DDPConfig, OptimizerConfig
 class MLPConfig(PipelineConfig):
     """Everything the MLP pipeline needs; shown as the run form in the Prefect UI."""
 
+    BACKGROUND_CHECKPOINTS = True  # trains in trainflow's own loop
+
     num_features: int = Field(10, ge=1, description="Input features of the synthetic data.")
     hidden_size: int = Field(64, ge=1, description="Width of the two hidden layers.")
     num_train_samples: int = Field(8192, ge=16, description="Synthetic training rows.")

@@ -79,6 +79,8 @@ class TrainingConfig(BaseModel):
 class TransformerConfig(PipelineConfig):
     """Everything the transformer pipeline needs; shown as the run form in the Prefect UI."""
 
+    BACKGROUND_CHECKPOINTS = True  # trains in trainflow's own loop
+
     model: ModelConfig = Field(default_factory=ModelConfig, description="Transformer shape.")
     data: SyntheticDataConfig = Field(
         default_factory=SyntheticDataConfig, description="Synthetic task."

@@ -20,6 +20,8 @@ import contextlib
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -82,6 +84,18 @@ def gather_full_state_dict(module: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(module, options=options)
 
 
+@dataclass
+class _InFlight:
+    """A checkpoint whose files are still being written in the background."""
+
+    partial: Path
+    path: Path
+    step: int
+    keep: int | None
+    written: Future
+    published: bool = False  # by rank 0, once its write (and so every rank's) ended
+
+
 class Strategy(ABC):
     """One technique's way to wrap, step, checkpoint and export a model.
 
@@ -98,6 +112,7 @@ class Strategy(ABC):
         self.device = runtime.get_device()
         self.model: nn.Module | None = None
         self.optimizer: Any = None
+        self._in_flight: _InFlight | None = None
 
     @property
     def wrapped(self) -> nn.Module:
@@ -223,37 +238,100 @@ class Strategy(ABC):
         self.optimizer.zero_grad(set_to_none=True)
 
     def save(
-        self, path: Path, step: int, keep: int | None = None, extra: dict[str, Any] | None = None
+        self,
+        path: Path,
+        step: int,
+        keep: int | None = None,
+        extra: dict[str, Any] | None = None,
+        background: bool = False,
     ) -> None:
         """Checkpoint model, optimizer, step, every rank's RNG streams and `extra` to `path`.
 
         Every rank calls this. The files are written to a partial folder first; rank 0 makes it
         visible as `path` only once every rank has finished, then keeps the newest `keep`.
 
+        With `background` (where the technique can: `supports_background_save`), the state is
+        copied to host memory and written by a thread while training goes on; the checkpoint
+        is published by the next `save` or by `finish_saves`, whichever comes first, once every
+        rank's files are written. One save is in flight at most: the next waits for it. A run
+        that dies before then leaves only the partial folder, which no resume reads.
+
         Args:
             path: The checkpoint folder (`checkpoint.checkpoint_path(root, step)`).
             step: Optimizer steps done.
             keep: Complete checkpoints to keep under `path.parent` (None: all).
             extra: This rank's small resume values (e.g. the data position).
+            background: Write the files in the background.
         """
+        self.finish_saves()
         partial = checkpoint.partial_path(path)
         if runtime.is_rank_zero():
             shutil.rmtree(partial, ignore_errors=True)  # a save an earlier attempt left
             partial.mkdir(parents=True)
         dist.barrier()
-        self._save(partial)
         checkpoint.save_rank_state(partial, runtime.get_global_rank(), extra)
-        dist.barrier()
+        if background and self.supports_background_save:
+            self._in_flight = _InFlight(partial, path, step, keep, self._save_background(partial))
+            return
+        self._save(partial)
+        self._publish(partial, path, step, keep)
+
+    def poll_saves(self) -> None:
+        """Publish the checkpoint written in the background as soon as it is whole, without
+        waiting for the next save (the loop calls this after every step; no collective).
+
+        Rank 0's write ends only once every rank's has: the technique gathers every rank's
+        result to rank 0 before it finishes the checkpoint (DCP writes its metadata there).
+
+        Raises:
+            Exception: what writing this rank's files raised.
+        """
+        flight = self._in_flight
+        if flight is None or flight.published or not flight.written.done():
+            return
+        flight.written.result()
         if runtime.is_rank_zero():
-            checkpoint.publish(
-                partial,
-                path,
-                step,
-                keep=keep,
-                technique=self.name,
-                world_size=runtime.get_world_size(),
-            )
+            self._publish_now(flight.partial, flight.path, flight.step, flight.keep)
+        flight.published = True
+
+    def finish_saves(self) -> None:
+        """Wait for the checkpoint being written in the background, if any, and publish it.
+
+        Every rank calls this at the same point (the loop: before the next save, at the end
+        and on a stop).
+
+        Raises:
+            Exception: what writing this rank's files raised; the checkpoint is not published.
+        """
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        flight.written.result()
+        # Every rank meets in `_publish`'s barriers, whether or not `poll_saves` published it.
+        self._publish(flight.partial, flight.path, flight.step, flight.keep, flight.published)
+
+    def _publish(
+        self, partial: Path, path: Path, step: int, keep: int | None, done: bool = False
+    ) -> None:
+        dist.barrier()  # every rank's files are written
+        if runtime.is_rank_zero() and not done:
+            self._publish_now(partial, path, step, keep)
         dist.barrier()
+
+    def _publish_now(self, partial: Path, path: Path, step: int, keep: int | None) -> None:
+        checkpoint.publish(
+            partial, path, step, keep=keep, technique=self.name, world_size=runtime.get_world_size()
+        )
+
+    @property
+    def supports_background_save(self) -> bool:
+        """Whether `save(background=True)` writes in the background (else it saves at once)."""
+        return False
+
+    def _save_background(self, path: Path) -> Future:
+        """Copy the state to host memory, then write it to `path` in a thread; the future
+        ends when this rank's files are written."""
+        raise NotImplementedError(f"{self.name} saves checkpoints in the foreground only")
 
     def load(self, path: Path) -> tuple[int, dict[str, Any] | None]:
         """Restore model, optimizer and this rank's RNG streams from the checkpoint at `path`.
@@ -284,6 +362,8 @@ class TorchStrategy(Strategy):
     loads on M ranks, and under DDP as under FSDP.
     """
 
+    _save_group: Any = None  # the gloo group background saves coordinate through
+
     def _save(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.wrapped, self.optimizer)
         # A value every rank holds (DDP's whole model; buffers under FSDP) is written once, by
@@ -294,6 +374,31 @@ class TorchStrategy(Strategy):
         dcp.save(
             {"model": model_state, "optimizer": optim_state}, checkpoint_id=path, planner=planner
         )
+
+    @property
+    def supports_background_save(self) -> bool:
+        return True
+
+    def _save_background(self, path: Path) -> Future:
+        """DCP's `async_save`: the state is staged (copied to host memory) before it returns,
+        so the next optimizer step may change the weights; the files are written by a thread,
+        whose collectives (the save plan) use a gloo group of their own, never the training
+        group's order of collectives."""
+        if self._save_group is None:
+            self._save_group = dist.new_group(backend="gloo")
+        model_state, optim_state = get_state_dict(self.wrapped, self.optimizer)
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        response = dcp.async_save(
+            {"model": model_state, "optimizer": optim_state},
+            checkpoint_id=path,
+            planner=planner,
+            process_group=self._save_group,
+        )
+        if isinstance(response, Future):
+            return response
+        # A stager that copies in the background answers with two futures (not the default).
+        response.staging_completion.result()
+        return response.upload_completion
 
     def _load(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.wrapped, self.optimizer)

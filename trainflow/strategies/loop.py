@@ -58,6 +58,9 @@ class Schedule:
     log_every: int
     checkpoint_every: int
     keep_checkpoints: int | None = None
+    # Checkpoints between the first step and the last are written in the background where the
+    # technique can (`Strategy.save(background=True)`); the last one and a stop's at once.
+    async_checkpoints: bool = False
 
     def should_log(self, step: int) -> bool:
         """Log every `log_every` steps and at the last step."""
@@ -189,6 +192,7 @@ def fit(
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0) + value.detach() / len(micro)
         strategy.step()
+        strategy.poll_saves()  # a checkpoint written in the background is published once whole
         meter.step()
         result.steps = step
         runtime.heartbeat(step)
@@ -204,7 +208,8 @@ def fit(
         stop = runtime.should_stop()
         if schedule.should_checkpoint(step) or (stop and schedule.checkpoint_every > 0):
             path = checkpoint.checkpoint_path(checkpoint_root, step)
-            strategy.save(path, step, keep=schedule.keep_checkpoints)
+            background = schedule.async_checkpoints and not stop and step < schedule.num_steps
+            strategy.save(path, step, keep=schedule.keep_checkpoints, background=background)
             result.last_checkpoint = path
         if stop:
             sink.flush()
@@ -218,6 +223,7 @@ def fit(
             raise Preempted(
                 f"rank {runtime.get_global_rank()} stopped on request after step {step} ({saved})"
             )
+    strategy.finish_saves()
     result.efficiency = meter.report()  # every rank: it gathers the ranks' figures
     sink.log(result.steps, result.efficiency)
     sink.flush()

@@ -1,0 +1,177 @@
+"""How long training stalls per checkpoint, written at once (sync) or in the background (async).
+
+The pipeline's default ~10M-parameter transformer trains the same steps on the same batches
+three ways in one launch per repeat, side by side: without checkpoints (the baseline), with
+checkpoints written at once, and with checkpoints written in the background
+(`async_checkpoints`: the state copied to host memory, written by a thread). The stall per
+checkpoint is the extra time the steps took over the baseline's, divided by the checkpoints
+taken, so it counts what the background thread costs the steps that follow a save too. The
+last step's checkpoint (written at once either way) is outside the timed steps.
+
+Techniques: FSDP2 (the transformer's own) and DDP. The Trainer's workloads (SFT) checkpoint
+through the Hugging Face Trainer, which writes at once; they are not measured here yet.
+
+The last line is one JSON object; `async_over_sync` is the worse of the techniques' ratios of
+the median stall (lower is better; the goal is 0.2 or less).
+
+    python -m benchmarks.checkpoint [--steps 30] [--every 5] [--repeats 3] [--gpus 2]
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from trainflow import launch, runtime
+from trainflow.strategies import DDPConfig, FSDPConfig, build_strategy
+from trainflow.strategies.loop import Schedule, fit
+from trainflow.tracking import NullSink
+from trainflow.workloads.transformer import (
+    TransformerConfig,
+    build_model,
+    compute,
+    micro_batches,
+    wrap_model,
+)
+
+TECHNIQUES = {"fsdp2": FSDPConfig(), "ddp": DDPConfig()}
+MODES = ("none", "sync", "async")
+
+
+def measure(config: TransformerConfig, technique: str, every: int, root: str) -> dict:
+    """On each rank, for each mode in turn: a fresh model, the same steps; seconds from the
+    start of the first step to the start of the last (the last step's save is outside)."""
+    seconds = {}
+    with runtime.process_group():
+        rank, world = runtime.get_global_rank(), runtime.get_world_size()
+        t = config.training
+        warm = build_strategy(TECHNIQUES[technique])  # first-step costs paid before any mode
+        wrap_model(config, warm)
+        fit(
+            warm,
+            lambda step: micro_batches(config, step, rank, world),
+            compute,
+            Schedule(2, log_every=2, checkpoint_every=0),
+            NullSink(),
+            checkpoint_root=Path(root) / "warm",
+        )
+        for mode in MODES:
+            strategy = build_strategy(TECHNIQUES[technique])
+            wrap_model(config, strategy)
+            starts: dict[int, float] = {}
+
+            def batches(step: int, starts: dict[int, float] = starts) -> list:
+                starts[step] = time.perf_counter()
+                return micro_batches(config, step, rank, world)
+
+            fit(
+                strategy,
+                batches,
+                compute,
+                Schedule(
+                    t.num_steps,
+                    log_every=t.num_steps,
+                    checkpoint_every=0 if mode == "none" else every,
+                    keep_checkpoints=2,
+                    async_checkpoints=mode == "async",
+                ),
+                NullSink(),
+                checkpoint_root=Path(root) / mode,
+            )
+            seconds[mode] = starts[t.num_steps] - starts[1]
+    return seconds
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=31, help="Steps per run (the last untimed).")
+    parser.add_argument("--every", type=int, default=5, help="Checkpoint every N steps.")
+    parser.add_argument("--repeats", type=int, default=3, help="Launches per technique.")
+    parser.add_argument("--gpus", type=int, default=2, help="Ranks.")
+    parser.add_argument("--gpu-type", default=None, help='"cpu" forces CPU ranks.')
+    parser.add_argument("--techniques", default=",".join(TECHNIQUES), help="Comma-separated.")
+    args = parser.parse_args()
+    names = [n.strip() for n in args.techniques.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(TECHNIQUES))
+    if unknown or args.every < 1 or args.steps <= args.every:
+        parser.error(
+            f"--techniques: unknown {unknown}; known {sorted(TECHNIQUES)}"
+            if unknown
+            else "--every must be at least 1 and below --steps"
+        )
+    config = TransformerConfig(
+        training={"num_steps": args.steps, "global_batch_size": 16},
+        gpus=args.gpus,
+        gpu_type=args.gpu_type,
+    )
+    options = config.resources.launch_options()
+    saves = (args.steps - 1) // args.every  # checkpoints inside the timed steps
+    rows: dict[str, dict] = {}
+    for name in names:
+        stalls: dict[str, list[float]] = {"sync": [], "async": []}
+        step_s: list[float] = []
+        for repeat in range(args.repeats):
+            with tempfile.TemporaryDirectory() as tmp:
+                job = (config, name, args.every, tmp)
+                ranks = launch(measure, job, options=options, on_line=lambda *_: None).values
+            slowest = {mode: max(r[mode] for r in ranks) for mode in MODES}
+            for mode in ("sync", "async"):
+                stalls[mode].append((slowest[mode] - slowest["none"]) / saves)
+            step_s.append(slowest["none"] / (args.steps - 1))
+            print(
+                f"{name} repeat {repeat + 1}/{args.repeats}: stall per checkpoint "
+                f"sync {stalls['sync'][-1]:.3f} s, async {stalls['async'][-1]:.3f} s",
+                flush=True,
+            )
+        sync, background = statistics.median(stalls["sync"]), statistics.median(stalls["async"])
+        step = statistics.median(step_s)
+        rows[name] = {
+            "step_s": round(step, 4),
+            "stall_s_sync": round(sync, 4),
+            "stall_s_async": round(background, 4),
+            "stall_s_sync_all": [round(s, 4) for s in stalls["sync"]],
+            "stall_s_async_all": [round(s, 4) for s in stalls["async"]],
+            "async_over_sync": round(background / sync, 3) if sync > 0 else None,
+            # The share of training time async checkpoints cost at this cadence.
+            "async_stall_per_step_time": round(background / (args.every * step), 4),
+        }
+    params = sum(p.numel() for p in build_model(config).parameters())
+    ratios = [r["async_over_sync"] for r in rows.values() if r["async_over_sync"] is not None]
+    print(
+        json.dumps(
+            {
+                "benchmark": "checkpoint",
+                "machine": f"{cpu_model()}, {psutil.cpu_count(logical=True)} cores",
+                "device": "cuda" if torch.cuda.is_available() and args.gpu_type != "cpu" else "cpu",
+                "ranks": args.gpus,
+                "params_m": round(params / 1e6, 2),
+                "steps": args.steps,
+                "checkpoint_every": args.every,
+                "checkpoints_timed": saves,
+                **rows,
+                "async_over_sync": max(ratios) if ratios else None,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
