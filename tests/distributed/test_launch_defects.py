@@ -431,3 +431,18 @@ def test_a_store_server_on_torch_without_a_libuv_listen_socket_falls_back_to_the
     assert ("127.0.0.1", made[0]["port"]) not in listening  # the refused socket was closed
     assert listening.count(("127.0.0.1", store.port)) == 1
     os.close(made[1]["fd"])
+
+
+@distributed(gpus=2, gpu_type="cpu", timeout=120)
+def fails_on_every_rank() -> None:
+    raise ValueError(f"rank {runtime.get_global_rank()} fails on purpose")
+
+
+def test_a_rank_failure_is_recorded_once_atomically_and_not_in_torchs_error_file():
+    # torch elastic writes a failed rank's error.json in place; a rank killed mid-write left it
+    # empty and the agent crashed parsing it instead of restarting the ranks.
+    before = set((trainflow_home() / "runs").glob("*"))
+    with pytest.raises(RankError, match="fails on purpose"):
+        fails_on_every_rank.distributed()
+    (run,) = set((trainflow_home() / "runs").glob("*")) - before
+    assert list(run.rglob("error.json")) == []

@@ -195,6 +195,11 @@ def main(run_dir: str) -> None:
         stdlib.clear_exit_handlers()
     os.environ[runtime.RUN_DIR_ENV] = str(rd.path)
     os.environ[runtime.COLLECTIVE_TIMEOUT_ENV] = str(spec.collective_timeout_s)
+    # The rank's failure is recorded once, atomically, in the run folder (`write_error`). torch
+    # elastic would also write it to this file, in place: a rank killed mid-write (its peer
+    # died, the agent stops the survivors) left it empty, and the agent, failing to parse it,
+    # crashed instead of restarting the ranks.
+    os.environ.pop("TORCHELASTIC_ERROR_FILE", None)
     for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
