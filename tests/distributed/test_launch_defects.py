@@ -441,8 +441,8 @@ def fails_on_every_rank() -> None:
 def test_a_rank_failure_is_recorded_once_atomically_and_not_in_torchs_error_file():
     # torch elastic writes a failed rank's error.json in place; a rank killed mid-write left it
     # empty and the agent crashed parsing it instead of restarting the ranks.
-    before = set((trainflow_home() / "runs").glob("*"))
-    with pytest.raises(RankError, match="fails on purpose"):
+    with pytest.raises(RankError, match="fails on purpose") as info:
         fails_on_every_rank.distributed()
-    (run,) = set((trainflow_home() / "runs").glob("*")) - before
-    assert list(run.rglob("error.json")) == []
+    logs = Path(str(info.value).rpartition("Rank logs: ")[2].split()[0])
+    assert logs.name == "logs" and (logs.parent / "elastic").is_dir()
+    assert list(logs.parent.rglob("error.json")) == []
