@@ -11,6 +11,9 @@ last step's checkpoint (written at once either way) is outside the timed steps.
 Techniques: FSDP2 (the transformer's own) and DDP. The Trainer's workloads (SFT) checkpoint
 through the Hugging Face Trainer, which writes at once; they are not measured here yet.
 
+Also the training thread's own wait inside `save` and publishing (`blocked_s_*`): what a
+background save takes off it, apart from what the writing thread costs the cores.
+
 The last line is one JSON object; `async_over_sync` is the worse of the techniques' ratios of
 the median stall (lower is better; the goal is 0.2 or less).
 
@@ -47,7 +50,8 @@ MODES = ("none", "sync", "async")
 def measure(config: TransformerConfig, technique: str, every: int, root: str) -> dict:
     """On each rank, for each mode in turn: a fresh model, the same steps; seconds from the
     start of the first step to the start of the last (the last step's save is outside)."""
-    seconds = {}
+    seconds: dict[str, float] = {}
+    blocked: dict[str, list[tuple[float, float]]] = {}
     with runtime.process_group():
         rank, world = runtime.get_global_rank(), runtime.get_world_size()
         t = config.training
@@ -65,6 +69,7 @@ def measure(config: TransformerConfig, technique: str, every: int, root: str) ->
             strategy = build_strategy(TECHNIQUES[technique])
             wrap_model(config, strategy)
             starts: dict[int, float] = {}
+            blocked[mode] = _time_calls(strategy, ("save", "poll_saves", "finish_saves"))
 
             def batches(step: int, starts: dict[int, float] = starts) -> list:
                 starts[step] = time.perf_counter()
@@ -85,7 +90,27 @@ def measure(config: TransformerConfig, technique: str, every: int, root: str) ->
                 checkpoint_root=Path(root) / mode,
             )
             seconds[mode] = starts[t.num_steps] - starts[1]
+            last = starts[t.num_steps]  # the last step's save is outside the timed steps
+            seconds[f"blocked_{mode}"] = sum(d for begin, d in blocked[mode] if begin < last)
     return seconds
+
+
+def _time_calls(strategy: object, names: tuple[str, ...]) -> list[tuple[float, float]]:
+    """(start, seconds) of each call to `strategy`'s methods `names`: the training thread
+    blocked on checkpoints. The list fills as they run."""
+    calls: list[tuple[float, float]] = []
+    for name in names:
+        method = getattr(strategy, name)
+
+        def timed(*args: object, _method=method, **kwargs: object) -> object:
+            begin = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                calls.append((begin, time.perf_counter() - begin))
+
+        setattr(strategy, name, timed)
+    return calls
 
 
 def cpu_model() -> str:
@@ -127,6 +152,7 @@ def main() -> None:
     rows: dict[str, dict] = {}
     for name in names:
         stalls: dict[str, list[float]] = {"sync": [], "async": []}
+        waits: dict[str, list[float]] = {"sync": [], "async": []}
         step_s: list[float] = []
         for repeat in range(args.repeats):
             with tempfile.TemporaryDirectory() as tmp:
@@ -135,10 +161,12 @@ def main() -> None:
             slowest = {mode: max(r[mode] for r in ranks) for mode in MODES}
             for mode in ("sync", "async"):
                 stalls[mode].append((slowest[mode] - slowest["none"]) / saves)
+                waits[mode].append(max(r[f"blocked_{mode}"] for r in ranks) / saves)
             step_s.append(slowest["none"] / (args.steps - 1))
             print(
                 f"{name} repeat {repeat + 1}/{args.repeats}: stall per checkpoint "
-                f"sync {stalls['sync'][-1]:.3f} s, async {stalls['async'][-1]:.3f} s",
+                f"sync {stalls['sync'][-1]:.3f} s, async {stalls['async'][-1]:.3f} s; blocked "
+                f"sync {waits['sync'][-1]:.3f} s, async {waits['async'][-1]:.3f} s",
                 flush=True,
             )
         sync, background = statistics.median(stalls["sync"]), statistics.median(stalls["async"])
@@ -150,6 +178,13 @@ def main() -> None:
             "stall_s_sync_all": [round(s, 4) for s in stalls["sync"]],
             "stall_s_async_all": [round(s, 4) for s in stalls["async"]],
             "async_over_sync": round(background / sync, 3) if sync > 0 else None,
+            # The training thread's own wait inside save (and publishing), per checkpoint: what
+            # a background save takes off it, whatever the writing thread costs the cores.
+            "blocked_s_sync": round(statistics.median(waits["sync"]), 4),
+            "blocked_s_async": round(statistics.median(waits["async"]), 4),
+            "blocked_async_over_sync": round(
+                statistics.median(waits["async"]) / statistics.median(waits["sync"]), 3
+            ),
             # The share of training time async checkpoints cost at this cadence.
             "async_stall_per_step_time": round(background / (args.every * step), 4),
         }
