@@ -55,6 +55,19 @@ def run(output_dir: Path, kill_after: int = 0, async_checkpoints: bool = False) 
     return launch(run_on_rank, (workload, cfg.technique), options=options).values
 
 
+def assert_same_samples_and_weights(out: Path, reference_dir: Path) -> None:
+    """Same samples at every step as the uninterrupted run on each rank (nothing repeated or
+    skipped), and the same final weights."""
+    for rank in (0, 1):
+        assert read_sample_log(sample_log_path(out, rank)) == read_sample_log(
+            sample_log_path(reference_dir, rank)
+        )
+    got = torch.load(out / "model.pt", weights_only=True)
+    want = torch.load(reference_dir / "model.pt", weights_only=True)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, atol=WEIGHT_ATOL, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
@@ -83,15 +96,7 @@ def test_a_rank_killed_mid_training_restarts_from_the_checkpoint_and_ends_identi
         restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
         assert steps[restart] == resumed_at + 1, f"rank {rank} restarted at step {steps[restart]}"
         assert steps[restart:] == list(range(resumed_at + 1, total + 1))
-        # Same samples at every step as the uninterrupted run: nothing repeated or skipped.
-        assert read_sample_log(sample_log_path(tmp_path, rank)) == read_sample_log(
-            sample_log_path(reference_dir, rank)
-        )
-
-    got = torch.load(tmp_path / "model.pt", weights_only=True)
-    want = torch.load(reference_dir / "model.pt", weights_only=True)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, atol=WEIGHT_ATOL, rtol=0)
+    assert_same_samples_and_weights(tmp_path, reference_dir)
     # The restarted attempt logged the same losses as the uninterrupted run from its restart on.
     assert min(result.history) > resumed_at
     assert result.history == {s: reference.history[s] for s in result.history}
@@ -117,14 +122,7 @@ def test_with_background_checkpoints_a_killed_rank_resumes_from_a_whole_one_and_
     ]
     restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
     assert steps[restart] - 1 in (CHECKPOINT_EVERY, 2 * CHECKPOINT_EVERY)
-    for rank in (0, 1):
-        assert read_sample_log(sample_log_path(tmp_path, rank)) == read_sample_log(
-            sample_log_path(reference_dir, rank)
-        )
-    got = torch.load(tmp_path / "model.pt", weights_only=True)
-    want = torch.load(reference_dir / "model.pt", weights_only=True)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, atol=WEIGHT_ATOL, rtol=0)
+    assert_same_samples_and_weights(tmp_path, reference_dir)
     kept = checkpoint.complete_checkpoints(tmp_path / "checkpoints")
     every_tenth_and_last = sorted({*range(CHECKPOINT_EVERY, total + 1, CHECKPOINT_EVERY), total})
     assert [checkpoint.read_meta(p)["step"] for p in kept] == every_tenth_and_last[-2:]

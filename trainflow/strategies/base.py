@@ -252,9 +252,10 @@ class Strategy(ABC):
 
         With `background` (where the technique can: `supports_background_save`), the state is
         copied to host memory and written by a thread while training goes on; the checkpoint
-        is published by the next `save` or by `finish_saves`, whichever comes first, once every
-        rank's files are written. One save is in flight at most: the next waits for it. A run
-        that dies before then leaves only the partial folder, which no resume reads.
+        is published once every rank's files are written, by the first of `poll_saves` (after
+        each step), the next `save` or `finish_saves`. One save is in flight at most: the next
+        waits for it. A run that dies before then leaves only the partial folder, which no
+        resume reads.
 
         Args:
             path: The checkpoint folder (`checkpoint.checkpoint_path(root, step)`).

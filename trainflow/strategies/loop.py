@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,14 @@ class Work:
     flops_per_sample: float | None = None
 
 
+class CheckpointOptions(Protocol):
+    """What `Schedule.of` reads from a pipeline config (`trainflow.configs.base.PipelineConfig`)."""
+
+    checkpoint_every: int
+    keep_checkpoints: int
+    async_checkpoints: bool
+
+
 @dataclass(frozen=True)
 class Schedule:
     """When to stop, log and checkpoint, and how many checkpoints to keep."""
@@ -61,6 +69,18 @@ class Schedule:
     # Checkpoints between the first step and the last are written in the background where the
     # technique can (`Strategy.save(background=True)`); the last one and a stop's at once.
     async_checkpoints: bool = False
+
+    @classmethod
+    def of(cls, num_steps: int, log_every: int, config: "CheckpointOptions") -> "Schedule":
+        """The schedule of a pipeline's run: its steps and logging, and the checkpoint options
+        every pipeline config has (`PipelineConfig`)."""
+        return cls(
+            num_steps,
+            log_every,
+            config.checkpoint_every,
+            config.keep_checkpoints,
+            async_checkpoints=config.async_checkpoints,
+        )
 
     def should_log(self, step: int) -> bool:
         """Log every `log_every` steps and at the last step."""
