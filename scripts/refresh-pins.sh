@@ -31,7 +31,7 @@ python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install --quiet --progress-bar off --upgrade pip
 # DeepSpeed compiles no ops at install; the CPU paths use torch's own Adam.
 # Editable, so nothing is built in the checkout (a plain install leaves build/ behind).
-DS_BUILD_OPS=0 "$work/venv/bin/pip" install --quiet --progress-bar off -e ".[dev,ray,k8s]"
+DS_BUILD_OPS=0 "$work/venv/bin/pip" install --quiet --progress-bar off -e ".[dev,ray,k8s,team]"
 
 {
     "$work/venv/bin/pip" freeze --exclude-editable | grep -v -i '^trainflow[= @]' | grep -v '^pip=='

@@ -3,19 +3,24 @@
 #
 #   bash scripts/setup.sh                 # Python packages only
 #   bash scripts/setup.sh --with-browser  # also Debian's Chromium, for the UI browser test
-#   bash scripts/setup.sh --with-frameworks --with-browser  # also .venvs/ of Axolotl, LLM
-#                                         # Foundry and Unsloth (scripts/setup-framework.sh all)
+#   bash scripts/setup.sh --with-stack    # also Debian's PostgreSQL, for `deployments.stack`
+#   bash scripts/setup.sh --with-frameworks --with-browser --with-stack  # also .venvs/ of
+#                                         # Axolotl, LLM Foundry and Unsloth
+#                                         # (scripts/setup-framework.sh all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 with_browser=0
 with_frameworks=0
+with_stack=0
 frameworks_pid=""
 for arg in "$@"; do
     case "$arg" in
         --with-browser) with_browser=1 ;;
         --with-frameworks) with_frameworks=1 ;;
-        *) echo "unknown option $arg (use --with-browser, --with-frameworks)" >&2; exit 2 ;;
+        --with-stack) with_stack=1 ;;
+        *) echo "unknown option $arg (use --with-browser, --with-frameworks, --with-stack)" >&2
+           exit 2 ;;
     esac
 done
 
@@ -43,7 +48,7 @@ if .venv/bin/pip show --quiet mosaicml-streaming 2>/dev/null; then
     .venv/bin/pip uninstall --quiet --yes mosaicml-streaming streaming-community
 fi
 # DeepSpeed compiles no ops at install; the CPU paths use torch's own Adam.
-DS_BUILD_OPS=0 .venv/bin/pip install --quiet --progress-bar off -c constraints.txt -e ".[dev,ray,k8s]"
+DS_BUILD_OPS=0 .venv/bin/pip install --quiet --progress-bar off -c constraints.txt -e ".[dev,ray,k8s,team]"
 # A temporary Prefect server on a new home starts on a copy of this migrated empty database
 # instead of migrating its own (about 6 s of a first run's start on 2 cores); MLflow's map of
 # installed packages is built here once rather than by a first run's launch (0.7 s).
@@ -61,6 +66,20 @@ if [[ "$with_browser" == 1 ]]; then
     else
         echo "Chromium not installed and cannot install it here (needs root and apt-get):"
         echo "the browser test will be skipped with that reason."
+    fi
+fi
+
+if [[ "$with_stack" == 1 ]]; then
+    if compgen -G "/usr/lib/postgresql/*/bin/pg_ctl" >/dev/null; then
+        echo "PostgreSQL present: $(ls /usr/lib/postgresql | sort -n | tail -n 1)"
+    elif [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null; then
+        echo "Installing Debian's postgresql for the team stack and its tests (about a minute)"
+        apt-get update -qq
+        # The package's own cluster is not started: the stack runs a private one.
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+    else
+        echo "PostgreSQL not installed and cannot install it here (needs root and apt-get):"
+        echo "the team stack tests will be skipped with that reason."
     fi
 fi
 

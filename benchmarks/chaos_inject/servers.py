@@ -97,6 +97,8 @@ class MlflowServer(Server):
             *("--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"),
             *("--artifacts-destination", str(root / "artifacts")),
         ]
+        # Its GenAI job runner (unused here) leaves a queue folder in /dev/shm for good.
+        env = {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         super().__init__("MLflow", command, env, port, root / "server.log")
         self.url = f"http://127.0.0.1:{port}"
 

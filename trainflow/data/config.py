@@ -263,7 +263,7 @@ class DataConfig(_Model):
     output_root: str | None = Field(
         None,
         description="Local directory or 's3://bucket/prefix' to publish under; "
-        "None means $TRAINFLOW_HOME/datasets.",
+        "None means $TRAINFLOW_DATASETS, else $TRAINFLOW_HOME/datasets.",
     )
     num_proc: int | None = Field(
         None,

@@ -7,9 +7,11 @@ from pathlib import Path
 from trainflow.paths import trainflow_home
 
 
-def default_datasets_root() -> Path:
-    """Default root under which prepared datasets are published."""
-    return trainflow_home() / "datasets"
+def default_datasets_root() -> str:
+    """Default root under which prepared datasets are published: `$TRAINFLOW_DATASETS` (a
+    local folder or an object store, `s3://bucket/prefix`, which a team's runs share), else
+    `$TRAINFLOW_HOME/datasets`."""
+    return os.environ.get("TRAINFLOW_DATASETS") or str(trainflow_home() / "datasets")
 
 
 def hf_cache_dir() -> Path:

@@ -51,8 +51,8 @@ _WRITE_BATCH = 4096
 
 
 def output_root(config: DataConfig) -> str:
-    """The configured output root, else `$TRAINFLOW_HOME/datasets`."""
-    return config.output_root or str(default_datasets_root())
+    """The configured output root, else `$TRAINFLOW_DATASETS` or `$TRAINFLOW_HOME/datasets`."""
+    return config.output_root or default_datasets_root()
 
 
 def dataset_fingerprint(config: DataConfig) -> str:
