@@ -40,12 +40,12 @@ from pydantic import BaseModel, Field
 
 from flows.techniques import techniques
 from tasks.reporting import figure_markdown, publish_summary
-from trainflow import checkpoint, tracking
+from trainflow import checkpoint, storage, tracking
 from trainflow.cli import start_launch_agent
 from trainflow.configs.base import check_resume_config
 from trainflow.gate import Threshold, gate_failures
 from trainflow.launch.plan import LaunchPlan, check_cpu_oversubscription
-from trainflow.paths import RUN_CONFIG_FILE, STOP_FILE, run_output_dir
+from trainflow.paths import RUN_CONFIG_FILE, STOP_FILE
 from trainflow.resources import Resources
 from trainflow.strategies.job import TrainResult, Workload
 from trainflow.strategies.technique import Technique, check_framework
@@ -275,7 +275,9 @@ def tracked_run(
             resume_run_id=resume,
         ) as run_id,
     ):
-        output_dir = run_output_dir(workload.name, run_id)
+        # A framework pipeline's config has no `output_root`: its runs stay under the home.
+        output_root = getattr(config, "output_root", None)
+        output_dir = storage.local_run_dir(workload.name, run_id, output_root)
         output_dir.mkdir(parents=True, exist_ok=True)
         if resume is None:
             # A stop file here is this run's own and stays: a sweep may ask a trial to stop
@@ -284,6 +286,11 @@ def tracked_run(
             (output_dir / RUN_CONFIG_FILE).write_text(json.dumps(saved, indent=2))
         else:
             (output_dir / STOP_FILE).unlink(missing_ok=True)  # what stopped its earlier attempt
+        # Kept in object storage: its config goes up, a resume elsewhere fetches its checkpoint.
+        remote = storage.remote_run_uri(workload.name, run_id, output_root)
+        keep = getattr(config, "keep_checkpoints", 1)
+        if (downloaded := storage.open_run(remote, output_dir, keep)) is not None:
+            print(f"downloaded checkpoint {downloaded.name} from {remote}")
         verb = "continuing" if resume else "started"
         print(
             f"MLflow run {run_id} {verb} (experiment {config.experiment_name!r}); if it "

@@ -9,7 +9,8 @@
 
 Every rank saves into the partial folder; after a barrier rank 0 writes the marker and renames
 the folder, so a run killed mid-save leaves nothing `latest_checkpoint` would pick, and the
-checkpoint a resume reads is always whole.
+checkpoint a resume reads is always whole. A run kept in object storage has each complete
+checkpoint uploaded by rank 0, its marker last (`trainflow.storage`).
 """
 
 import json
@@ -24,7 +25,13 @@ from trainflow.compat.safe_load import check_checkpoint, torch_load
 
 MARKER = "meta.json"
 _STEP_DIR = re.compile(r"^(?:step_(\d+)|checkpoint-(\d+))$")
-_PARTIAL_DIR = re.compile(r"^\.step_\d+\.partial$")
+_PARTIAL_DIR = re.compile(r"^\.(?:step_\d+|checkpoint-\d+)\.partial$")
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint folder's name says (`step_000100`, `checkpoint-100`), else None."""
+    found = _STEP_DIR.match(name)
+    return int(found.group(1) or found.group(2)) if found else None
 
 
 def checkpoint_path(root: str | Path, step: int) -> Path:

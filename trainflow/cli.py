@@ -151,7 +151,7 @@ def parse_config(
     prog: str,
     description: str,
     presets: Mapping[str, Callable[[], M]] | None = None,
-    resumed: Callable[[str], dict[str, Any]] | None = None,
+    resumed: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None,
 ) -> M:
     """Parse `argv` into a validated `model`, starting from `defaults` (`parse_command_line`
     without switches)."""
@@ -165,14 +165,14 @@ def parse_command_line(
     prog: str,
     description: str,
     presets: Mapping[str, Callable[[], M]] | None = None,
-    resumed: Callable[[str], dict[str, Any]] | None = None,
+    resumed: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None,
     switches: Mapping[str, str] | None = None,
 ) -> tuple[M, set[str]]:
     """Parse `argv` into a validated `model`, starting from `defaults`, and the switches given.
 
     `--config FILE` (YAML or JSON) starts from a whole config in a file instead; with
-    `presets`, so does `--preset NAME`; with `resumed` (run id -> that run's saved config), so
-    does `--resume RUN_ID`. The other options override the starting values.
+    `presets`, so does `--preset NAME`; with `resumed` (run id, the options given -> that run's
+    saved config), so does `--resume RUN_ID`. The other options override the starting values.
     `switches` (`--name` -> help) are on/off options that are not part of the config
     (`--dry-run`); the ones given are returned beside it.
     Invalid values exit with status 2 and a message naming the option (or the file), like any
@@ -207,7 +207,7 @@ def parse_command_line(
         if base != defaults.model_dump():
             parser.error("--resume starts from the run's own config: drop --config/--preset")
         try:
-            base = resumed(given["resume"])
+            base = resumed(given["resume"], _nest(given))
         except ValueError as exc:  # one line: the usage says nothing about which runs exist
             print(f"{prog}: error: --resume {given['resume']}: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
@@ -293,7 +293,7 @@ def _command_line_config(
     presets: Mapping[str, Callable[[], M]] | None,
     switches: Mapping[str, str] | None = None,
 ) -> tuple[M, set[str]]:
-    from trainflow.paths import read_run_config
+    from trainflow.storage import read_run_config
 
     resumable = "resume" in type(defaults).model_fields
     return parse_command_line(
@@ -303,7 +303,11 @@ def _command_line_config(
         prog=f"python -m flows.{name}",
         description=doc or "",
         presets=presets,
-        resumed=(lambda run_id: read_run_config(name, run_id)) if resumable else None,
+        resumed=(
+            (lambda run_id, given: read_run_config(name, run_id, given.get("output_root")))
+            if resumable
+            else None
+        ),
         switches=switches,
     )
 

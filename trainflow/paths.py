@@ -41,28 +41,31 @@ RUN_CONFIG_FILE = "config.json"
 STOP_FILE = "STOP"
 
 
-def run_output_dir(pipeline: str, run_id: str) -> Path:
+def run_output_dir(pipeline: str, run_id: str, root: str | Path | None = None) -> Path:
     """A pipeline run's own folder: its config, checkpoints, progress and trained model.
 
     Keyed by the MLflow run id, so `--resume RUN_ID` finds the checkpoints of the run it
-    continues.
+    continues. Kept under `root/<pipeline>/` (a run's `output_root` folder), by default under
+    TRAINFLOW_HOME/outputs.
     """
-    return (
-        trainflow_home() / "outputs" / safe_name(pipeline, "pipeline") / safe_name(run_id, "run id")
-    )
+    base = Path(root) if root is not None else trainflow_home() / "outputs"
+    return base / safe_name(pipeline, "pipeline") / safe_name(run_id, "run id")
 
 
-def read_run_config(pipeline: str, run_id: str) -> dict[str, Any]:
-    """The config a pipeline run was started with (saved in its output folder).
+def read_run_config(pipeline: str, run_id: str, root: str | Path | None = None) -> dict[str, Any]:
+    """The config a pipeline run was started with (saved in its output folder, under `root`
+    as in `run_output_dir`).
 
     Raises:
-        ValueError: no run `run_id` of `pipeline` was started under this TRAINFLOW_HOME.
+        ValueError: no run `run_id` of `pipeline` was started under `root` (by default, this
+            TRAINFLOW_HOME).
     """
-    path = run_output_dir(pipeline, run_id) / RUN_CONFIG_FILE
+    path = run_output_dir(pipeline, run_id, root) / RUN_CONFIG_FILE
     try:
         data: dict[str, Any] = json.loads(path.read_text())
     except FileNotFoundError:
+        where = "this TRAINFLOW_HOME" if root is None else str(root)
         raise ValueError(
-            f"no {pipeline} run {run_id} was started under this TRAINFLOW_HOME ({path} is missing)"
+            f"no {pipeline} run {run_id} was started under {where} ({path} is missing)"
         ) from None
     return data

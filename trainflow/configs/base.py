@@ -5,12 +5,15 @@ the same in every pipeline, on the command line, in the Prefect UI and in deploy
 """
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from trainflow.paths import SafeName, read_run_config
+from trainflow.data.paths import is_remote
+from trainflow.paths import SafeName
 from trainflow.resources import Resources
+from trainflow.storage import check_output_root, read_run_config
 
 
 class PipelineConfig(Resources):
@@ -37,6 +40,13 @@ class PipelineConfig(Resources):
         description="MLflow run id of a crashed, killed or failed run of this pipeline: continue "
         "its training from its last checkpoint, in the same MLflow run, with its own config.",
     )
+    output_root: str | None = Field(
+        default=None,
+        description="Where the run's folder (config, checkpoints) is kept: a local folder "
+        "instead of $TRAINFLOW_HOME/outputs, or an object storage URI (s3://bucket/prefix, "
+        "gs://, az://) each complete checkpoint is uploaded to, from which `--resume` continues "
+        "on any machine (give it again with --resume). None: $TRAINFLOW_HOME/outputs.",
+    )
 
     parent_run_id: SafeName | None = Field(
         default=None,
@@ -50,6 +60,16 @@ class PipelineConfig(Resources):
         "training holds `gpus` of its slots while its ranks run, so sweeps and runs sharing the "
         "pool never start more ranks than it has. The limit must exist; none: no limit.",
     )
+
+    @field_validator("output_root")
+    @classmethod
+    def _reachable_output_root(cls, root: str | None) -> str | None:
+        if root is None:
+            return None
+        check_output_root(root)
+        if is_remote(root):
+            return root.rstrip("/")
+        return str(Path(root).expanduser().absolute())  # the ranks may start elsewhere
 
     # Whether the pipeline trains in trainflow's own loop, whose DDP and FSDP checkpoints can
     # be written in the background (`async_checkpoints`).
@@ -85,14 +105,16 @@ class PipelineConfig(Resources):
 def check_resume_config(pipeline: str, config: BaseModel, run_id: str) -> None:
     """Refuse to continue run `run_id` of `pipeline` with a config that trains something else.
 
-    `config` and the run's own (saved in its output folder) must have equal `training_fields()`:
+    `config` and the run's own (saved in its output folder, or in object storage under the
+    config's `output_root`) must have equal `training_fields()`:
     placement, recovery and checkpoint options may differ (a run moved to another machine),
     the model, data and training options may not.
 
     Raises:
         ValueError: no such run of `pipeline` here, or naming each option that differs.
     """
-    own = type(config).model_validate(read_run_config(pipeline, run_id))
+    saved = read_run_config(pipeline, run_id, getattr(config, "output_root", None))
+    own = type(config).model_validate(saved)
     mine = _leaves(config.training_fields())  # type: ignore[attr-defined]
     theirs = _leaves(own.training_fields())  # type: ignore[attr-defined]
     changed = [

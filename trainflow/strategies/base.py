@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from trainflow import checkpoint, runtime
+from trainflow import checkpoint, runtime, storage
 from trainflow.compat import safe_load
 from trainflow.errors import FrameworkError
 from trainflow.strategies import frameworks
@@ -323,6 +323,7 @@ class Strategy(ABC):
         checkpoint.publish(
             partial, path, step, keep=keep, technique=self.name, world_size=runtime.get_world_size()
         )
+        storage.mirror_checkpoint(path)  # a run kept in object storage: upload it there
 
     @property
     def supports_background_save(self) -> bool:

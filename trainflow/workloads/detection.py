@@ -8,6 +8,8 @@ takes exactly its slice of the same images. `evaluate` measures the COCO mAP of 
 and of the untrained model on the held-out split.
 """
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from torchvision.models.detection import RetinaNet
 from trainflow import checkpoint, runtime
 from trainflow.configs.detection import DetectionConfig, DetectionJob
 from trainflow.data.errors import DataError
-from trainflow.data.paths import is_remote
+from trainflow.data.paths import is_remote, join_uri, stream_cache_dir
 from trainflow.data.shapes import decode_png
 from trainflow.models.detection import BoxPredictor, build_retinanet
 from trainflow.strategies.base import Strategy
@@ -57,9 +59,10 @@ def read_split(uri: str, split: str) -> Split:
     """Every image of a prepared split with its targets, decoded (the dataset is small).
 
     Each rank reads the whole split from the published MDS shards and draws its slice of
-    each step's batch itself, so no rank depends on how `streaming` would partition it. The
+    each step's batch itself, so no rank depends on how `streaming` would partition it. Local
     shards are read in place, so their hashes are checked here first (`streaming` checks
-    only the copies it fetches into a cache).
+    only the copies it fetches into a cache); a dataset in object storage is copied into its
+    local stream cache first, each copy checked against its hash (`fetch_split`).
 
     Raises:
         DataError: naming a damaged or missing shard file of the published dataset.
@@ -69,9 +72,11 @@ def read_split(uri: str, split: str) -> Split:
     from trainflow.data.loader import verify_published_split
 
     if is_remote(uri):
-        raise DataError(f"detection reads its dataset from a local folder, not {uri}")
-    verify_published_split(uri, split)
-    samples = LocalDataset(local=uri, split=split)
+        local = fetch_split(uri, split)
+    else:
+        verify_published_split(uri, split)
+        local = uri
+    samples = LocalDataset(local=local, split=split)
     out: Split = []
     for i in range(len(samples)):
         row = samples[i]
@@ -82,6 +87,70 @@ def read_split(uri: str, split: str) -> Split:
         }
         out.append((image.float() / 255, target))
     return out
+
+
+def fetch_split(uri: str, split: str) -> str:
+    """Copy a split of a dataset in object storage into its local stream cache
+    (`stream_cache_dir`), every shard checked against the hash in its published index, and
+    return the cache folder, which `LocalDataset` reads.
+
+    Copies cached earlier that still match are kept (`verify_cached_split` deletes the others),
+    so a machine fetches each file once. Each file is fetched under a temporary name and
+    renamed into place, so ranks fetching at once never read a half-written one.
+
+    Raises:
+        DataError: no dataset or split at `uri`, or a shard there is compressed or does not
+            match its hash.
+    """
+    from trainflow.data.loader import verify_cached_split
+    from trainflow.data.store import read_index, read_manifest
+
+    manifest = read_manifest(uri)
+    if manifest is None:
+        raise DataError(f"no published dataset at {uri} (its manifest.json is missing)")
+    index = read_index(uri, split)
+    if split not in manifest["splits"] or index is None:
+        raise DataError(
+            f"split {split!r} not in dataset {uri}; it has {sorted(manifest['splits'])}"
+        )
+    cache, hashes = stream_cache_dir(uri), manifest.get("hashes") or []
+    verify_cached_split(uri, split, cache, hashes)
+    folder = cache / split
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard in json.loads(index)["shards"]:
+        if not shard.get("raw_data"):
+            raise DataError(f"{join_uri(uri, split)}: detection reads uncompressed shards only")
+        name = shard["raw_data"]["basename"]
+        if not (folder / name).is_file():
+            _fetch(join_uri(uri, split, name), folder / name)
+    _write_aside(folder / "index.json", index)
+    damaged = verify_cached_split(uri, split, cache, hashes)
+    if damaged:
+        names = sorted(Path(p).name for p in damaged)
+        raise DataError(
+            f"the published dataset {uri} is damaged: shard file(s) {names} of split "
+            f"{split!r} do not match their hashes"
+        )
+    return str(cache)
+
+
+def _fetch(remote: str, local: Path) -> None:
+    """Download `remote` to `local` through a temporary name beside it."""
+    from streaming.base.storage import CloudDownloader
+
+    aside = local.with_name(f".{local.name}.{os.getpid()}.tmp")
+    try:
+        CloudDownloader.direct_download(remote, str(aside))
+        os.replace(aside, local)
+    finally:
+        aside.unlink(missing_ok=True)
+
+
+def _write_aside(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all (through a temporary name beside it)."""
+    aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    aside.write_bytes(data)
+    os.replace(aside, path)
 
 
 def global_batch(config: DetectionConfig, step: int, num_images: int) -> list[int]:

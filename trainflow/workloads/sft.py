@@ -353,7 +353,7 @@ class DurableCallback(TrainerCallback):
 
         import torch.distributed as dist
 
-        from trainflow import checkpoint
+        from trainflow import checkpoint, storage
 
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         data_state = self.loader.state_dict()  # every rank: it counts this rank's samples
@@ -367,6 +367,7 @@ class DurableCallback(TrainerCallback):
                 technique=self.technique,
                 world_size=runtime.get_world_size(),
             )
+            storage.mirror_checkpoint(folder)  # a run kept in object storage: upload it there
         if dist.is_initialized():
             dist.barrier()
 

@@ -25,7 +25,7 @@ from lightning.pytorch.profilers import Profiler
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.functional.classification import binary_auroc
 
-from trainflow import checkpoint, runtime
+from trainflow import checkpoint, runtime, storage
 from trainflow.compat.lightning import leave_sigterm_to_launcher
 from trainflow.configs.two_tower import TwoTowerConfig, TwoTowerJob
 from trainflow.data import LoaderConfig, PreparedDataset, build_dataloader
@@ -233,6 +233,7 @@ class Durability(Callback):
                 technique=self.config.technique.name,
                 world_size=trainer.world_size,
             )
+            storage.mirror_checkpoint(path)
         trainer.strategy.barrier()
         self.last_saved = step
 
