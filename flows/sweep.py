@@ -31,7 +31,13 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from flows.skeleton import PipelineResult
-from tasks.sweep import ensure_rank_pool, pipeline_flow, publish_trials, run_trial
+from tasks.sweep import (
+    cancel_trials,
+    ensure_rank_pool,
+    pipeline_flow,
+    publish_trials,
+    run_trial,
+)
 from trainflow import sweep as space_lib
 from trainflow import tracking
 from trainflow.cli import run_pipeline
@@ -297,11 +303,13 @@ class _Trials:
                     return
                 futures = [future for _, future in self.in_flight.values()]
                 self.watch(first_done(futures, self.config.poll_s))
-        except BaseException:
+        except BaseException as exc:
             # Stopped (Ctrl-C, SIGTERM, a cancel): stop the trials as a preemption would (a
             # checkpoint, their runs KILLED) and leave them RUNNING in the study, so a resume
             # starts them over. A trial not yet training stops as soon as its ranks start.
+            # Their flow runs end Cancelled, as the sweep's does.
             pending = dict(self.in_flight)
+            stopped = {number: future for number, (_, future) in pending.items()}
             deadline = time.monotonic() + STOP_WAIT_S
             while pending and time.monotonic() < deadline:
                 for number in pending:
@@ -312,6 +320,13 @@ class _Trials:
                         del pending[number]
                         if future.state.is_completed():  # it ended before the stop: keep it
                             self.finish(number, trial, future)
+                            del stopped[number]
+            if stopped:
+                why = f"The sweep was stopped ({type(exc).__name__}), and this trial with it."
+                try:
+                    cancel_trials(stopped, why)
+                except Exception as error:  # noqa: BLE001 - the stop is what to raise
+                    print(f"trials {sorted(stopped)} stay as Prefect saw them end: {error}")
             raise
 
     def stop(self, number: int) -> bool:

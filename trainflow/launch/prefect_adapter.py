@@ -1,5 +1,6 @@
 """The one module of `trainflow` that imports Prefect: rank output into Prefect run logs, a
-launch as its own task run, and the backend of `remote=True` calls, run on a deployment.
+launch as its own task run, and the backend of `remote=True` calls, run on a deployment (and
+cancelled there when their caller stops: docs/cancellation.md).
 
 It imports no launch backend: `trainflow.launch.backends` hands it the launch to run. The
 backends only import it when Prefect is already loaded (or a remote call is asked for), so
@@ -7,10 +8,14 @@ the library and every rank stay free of Prefect.
 """
 
 import base64
+import contextlib
 import dataclasses
+import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from uuid import UUID
 
@@ -23,6 +28,7 @@ from prefect.client.schemas.sorting import LogSort
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.deployments import run_deployment
 from prefect.logging.loggers import PrefectLogAdapter, get_logger
+from prefect.states import Cancelled, Cancelling
 
 from trainflow.errors import LaunchError
 from trainflow.launch.plan import cluster_plan
@@ -143,7 +149,9 @@ def run_remote(
         parameters={"payload": base64.b64encode(payload).decode(), "options": settings},
         timeout=0,  # submitted only: `follow_flow_run` waits, and says what happens
     )
-    flow_run = follow_flow_run(flow_run.id, f"{name}.distributed() on {deployment!r}", say)
+    what = f"{name}.distributed() on {deployment!r}"
+    with _cancelled_when_stopped(flow_run.id, what, say or _stderr):
+        flow_run = follow_flow_run(flow_run.id, what, say)
     state = flow_run.state
     if state is not None and state.is_failed():
         try:
@@ -159,6 +167,65 @@ def run_remote(
             f"{state.message if state else ''}"
         )
     return cloudpickle.loads(base64.b64decode(state.result()))
+
+
+class _CallerTerminated(BaseException):
+    """SIGTERM reached a caller that had no handler of its own (it would have died at once)."""
+
+
+@contextlib.contextmanager
+def _cancelled_when_stopped(
+    flow_run_id: UUID, what: str, say: Callable[[str], None]
+) -> Iterator[None]:
+    """Cancel flow run `flow_run_id` if the caller stops while it waits for it.
+
+    Ctrl-C, an exception, and SIGTERM: a flow run's (Prefect raises `TerminationSignal`, as
+    when the caller's own flow run is cancelled), or a plain process's, whose default action
+    would kill it before it could cancel anything; there SIGTERM is handled during the wait,
+    and once the run is cancelled the process dies of it as it would have.
+    """
+    handled = threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    )
+    if handled:
+        signal.signal(signal.SIGTERM, _raise_caller_terminated)
+    try:
+        yield
+    except BaseException as exc:
+        why = "SIGTERM" if isinstance(exc, _CallerTerminated) else type(exc).__name__
+        try:
+            cancel_flow_run(flow_run_id, f"Its caller stopped ({why}).")
+            say(f"[trainflow] {what}: stopped ({why}); flow run {flow_run_id} cancelled")
+        except Exception as error:  # noqa: BLE001 - the stop, not this, is what to raise
+            say(
+                f"[trainflow] {what}: stopped ({why}); cancelling flow run {flow_run_id} "
+                f"failed ({error}): cancel it in the UI or with `prefect flow-run cancel`"
+            )
+        if isinstance(exc, _CallerTerminated):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise
+    finally:
+        if handled:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _raise_caller_terminated(signum: int, frame: Any) -> None:
+    raise _CallerTerminated(signum)
+
+
+def cancel_flow_run(flow_run_id: UUID, message: str) -> None:
+    """Cancel flow run `flow_run_id` unless it has ended: Cancelling when a worker may run it
+    (the worker kills its process, then marks it Cancelled), Cancelled while it waits for one.
+    """
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state
+        if state is not None and state.is_final():
+            return
+        if state is None or state.is_scheduled():
+            client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
+        else:
+            client.set_flow_run_state(flow_run_id, Cancelling(message=message), force=True)
 
 
 # How often a remote call's flow run is read while the caller waits for it.
@@ -222,6 +289,7 @@ def follow_flow_run(flow_run_id: UUID, what: str, say: Callable[[str], None] | N
 
 
 __all__ = [
+    "cancel_flow_run",
     "describe_state",
     "follow_flow_run",
     "RemoteDeployment",
