@@ -160,8 +160,10 @@ class Stack:
             env.update(
                 S3_ENDPOINT_URL=ctx.s3_endpoint, AWS_ENDPOINT_URL=ctx.s3_endpoint, **ctx.s3_env
             )
-            # Prepared datasets are published to the shared bucket and streamed from there.
+            # Prepared datasets are published to the shared bucket and streamed from there;
+            # runs keep their checkpoints there too, so any machine can resume them.
             env["TRAINFLOW_DATASETS"] = f"s3://{BUCKET}/datasets"
+            env["TRAINFLOW_OUTPUT_ROOT"] = f"s3://{BUCKET}/runs"
         return env
 
     def service(self, name: str, ctx: Context):

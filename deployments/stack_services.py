@@ -390,6 +390,18 @@ class PrefectServer:
             wait_for_http(
                 self.ctx.url(self.name) + "/api/health", record, "the Prefect server", log
             )
+            # A flow run whose process died without a word ends Crashed, not Running for good.
+            env = {**self.ctx.base_env(), "PREFECT_API_URL": self.ctx.url(self.name) + "/api"}
+            env.update(_passed("PREFECT_API_AUTH_STRING"))
+            done = subprocess.run(
+                [sys.executable, "-m", "deployments.automations"],
+                env=env,
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).resolve().parents[1],
+            )
+            if done.returncode != 0:
+                raise StackError(f"cannot create the automations:\n{done.stdout}{done.stderr}")
         return record
 
 
@@ -441,6 +453,12 @@ class Worker:
     def start(self) -> Record:
         env = {**self.ctx.base_env(), **self.client_env}
         env["PREFECT_HOME"] = str(self.ctx.root / "worker")
+        # Prefect's process worker writes each flow run's workspace manifest (its whole
+        # environment) to a temp folder, left behind when the worker is stopped mid-run: in the
+        # stack's folder, not /tmp. The flow runs' own temp files go there too.
+        tmp = self.ctx.root / "worker" / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env["TMPDIR"] = str(tmp)
         created = subprocess.run(
             [sys.executable, "-m", "prefect", "work-pool", "create", POOL, "--type", "process"],
             env=env,

@@ -19,6 +19,7 @@ def _start_ahead() -> None:
     name = argv[at + 1].removeprefix("flows.")
     if name == argv[at + 1]:
         return
+    _check_environment(name)
     from trainflow.cli import refuse_resume_ahead, start_ahead
     from trainflow.pipelines import PIPELINES
 
@@ -31,6 +32,21 @@ def _start_ahead() -> None:
         return
     check = spec.startup_hook("check_files")
     start_ahead(name, spec.defaults(), args, spec.presets_by_name(), check, ahead)
+
+
+def _check_environment(name: str) -> None:
+    """A location a pipeline config's default reads from the environment is checked here, so a
+    bad one is a usage error naming the variable, not a traceback from the first config."""
+    root = os.environ.get("TRAINFLOW_OUTPUT_ROOT")
+    if not root:
+        return
+    from trainflow.storage import check_output_root
+
+    try:
+        check_output_root(root)
+    except ValueError as err:
+        print(f"python -m flows.{name}: error: TRAINFLOW_OUTPUT_ROOT: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 _start_ahead()

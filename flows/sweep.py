@@ -21,6 +21,7 @@ import concurrent.futures
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import optuna
@@ -38,8 +39,8 @@ from tasks.sweep import (
     publish_trials,
     run_trial,
 )
+from trainflow import storage, tracking
 from trainflow import sweep as space_lib
-from trainflow import tracking
 from trainflow.cli import run_pipeline
 from trainflow.configs.base import check_resume_config
 from trainflow.paths import (
@@ -339,7 +340,7 @@ class _Trials:
         if run_id is None:
             return False
         # The trial may not have made its output folder yet: it finds the file when it does.
-        folder = run_output_dir(self.config.pipeline, run_id)
+        folder = self.trial_folder(run_id)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / STOP_FILE).touch()
         return True
@@ -385,14 +386,17 @@ class _Trials:
                     self.run_ids[number] = run_id
         return self.run_ids.get(number)
 
+    def trial_folder(self, run_id: str) -> Path:
+        """A trial's run folder on this machine (its `output_root`, which `base` may set)."""
+        root = getattr(self.config.base_config(), "output_root", None)
+        return storage.local_run_dir(self.config.pipeline, run_id, root)
+
     def training(self, number: int) -> bool:
         """Whether the trial's ranks are still at work (its progress is under 100%)."""
         run_id = self.run_id(number)
         if run_id is None:
             return False
-        done = tracking.read_progress(
-            run_output_dir(self.config.pipeline, run_id) / tracking.PROGRESS_FILE
-        )
+        done = tracking.read_progress(self.trial_folder(run_id) / tracking.PROGRESS_FILE)
         return done is not None and done < 100.0
 
     def report(self, number: int, trial: optuna.Trial) -> None:

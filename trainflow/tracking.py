@@ -720,10 +720,40 @@ def register_pytorch_model(
             name="model",
             serialization_format="pickle",
             input_example=input_example,
-            registered_model_name=registered_model_name,
             pip_requirements=pinned_requirements("torch", "cloudpickle", "numpy", *requirements),
         )
-    return _tag_version(registered_model_name, str(info.registered_model_version), tags)
+        version = new_model_version(info.model_uri, registered_model_name, run_id)
+    return _tag_version(registered_model_name, version, tags)
+
+
+def new_model_version(model_uri: str, registered_model_name: str, run_id: str | None) -> str:
+    """Register the logged model `model_uri` as a new version of `registered_model_name`.
+
+    The name is created only when it does not exist yet: `mlflow.register_model` always tries
+    to create it first, which on a shared server is a failed insert (a unique-key error in the
+    database's log) for every version after the first.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    # Called under `store_lock` on a store the logging already opened: not `store_client`,
+    # which may take that lock again.
+    client = MlflowClient(tracking_uri=tracking_uri())
+    try:
+        client.get_registered_model(registered_model_name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        try:
+            client.create_registered_model(registered_model_name)
+        except MlflowException as race:  # another run created it meanwhile
+            if race.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+                raise
+    model_id = model_uri.removeprefix("models:/") if model_uri.startswith("models:/m-") else None
+    version = client.create_model_version(
+        registered_model_name, source=model_uri, run_id=run_id, model_id=model_id
+    )
+    return str(version.version)
 
 
 def pinned_requirements(*distributions: str) -> list[str]:
@@ -871,8 +901,11 @@ def register_logged_model(
 
     mlflow.set_tracking_uri(tracking_uri())
     with store_lock():
-        version = mlflow.register_model(model_uri, registered_model_name)
-    return _tag_version(registered_model_name, str(version.version), tags)
+        run_id = None
+        if model_uri.startswith("models:/m-"):
+            run_id = mlflow.get_logged_model(model_uri.removeprefix("models:/")).source_run_id
+        version = new_model_version(model_uri, registered_model_name, run_id)
+    return _tag_version(registered_model_name, version, tags)
 
 
 def child_runs(parent_run_id: str) -> dict[str, str]:

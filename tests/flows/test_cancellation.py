@@ -90,6 +90,10 @@ def deployed(prefect_api) -> str:
 def _worker(log: Path, env: dict | None = None):
     """A process worker on cpu-local that runs what is scheduled now, then exits; stopped
     (its whole session) if it is still there at the end."""
+    # Prefect's process worker keeps each flow run's workspace manifest (its whole environment)
+    # in a temp folder that it leaves behind when it is stopped: keep those in the test's own.
+    tmp = log.parent / f"{log.stem}-tmp"
+    tmp.mkdir(exist_ok=True)
     with open(log, "wb") as out:
         worker = subprocess.Popen(
             [
@@ -105,7 +109,7 @@ def _worker(log: Path, env: dict | None = None):
                 "process",
             ],
             cwd=REPO_ROOT,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(env or {}), "TMPDIR": str(tmp)},
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -44,7 +44,13 @@ def _cli(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedPro
 
 
 def _run_once_worker(env: dict, log) -> subprocess.Popen:
-    """A process worker on the cpu-local pool that runs what is scheduled now, then exits."""
+    """A process worker on the cpu-local pool that runs what is scheduled now, then exits.
+
+    Prefect's process worker may leave each flow run's workspace manifest (its environment) in
+    a temp folder: it is kept beside the log, in the test's own folder."""
+    tmp = Path(log.name).parent / "worker-tmp"
+    tmp.mkdir(exist_ok=True)
+    env = {**env, "TMPDIR": str(tmp)}
     return subprocess.Popen(
         [
             sys.executable,

@@ -101,6 +101,7 @@ def stack_env(team_stack, tmp_path, monkeypatch):
         "AWS_DEFAULT_REGION",
         "MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD",
         "TRAINFLOW_DATASETS",
+        "TRAINFLOW_OUTPUT_ROOT",
     ):
         monkeypatch.setenv(key, env[key])
     import mlflow

@@ -208,3 +208,20 @@ def test_down_stops_every_service_by_pid_and_up_finds_the_data_again(tmp_path):
     assert purge.returncode == 0, purge.stdout + purge.stderr
     assert not _alive(pids)
     assert not (tmp_path / "stack").exists()
+
+
+def test_up_applies_the_automation_that_crashes_runs_whose_process_died(team_stack, stack_env):
+    """The stack's Prefect server holds the heartbeat automation (deployments.automations), so a
+    flow run whose machine or process died ends Crashed rather than Running for good."""
+    import asyncio
+
+    from prefect import get_client
+
+    from deployments.automations import CRASH_SILENT_RUNS
+
+    async def read() -> list:
+        async with get_client() as client:
+            return await client.read_automations_by_name(CRASH_SILENT_RUNS)
+
+    automations = asyncio.run(read())
+    assert len(automations) == 1 and automations[0].enabled

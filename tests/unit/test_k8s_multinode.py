@@ -351,3 +351,23 @@ def test_prefect_kubernetes_worker_accepts_the_single_node_template():
     )
     container = config.job_manifest["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 8}
+
+
+def test_every_pod_keeps_runs_on_the_shared_volume_a_claim_makes_shared():
+    """By default each pod's /shared is its own; given a ReadWriteMany claim, every pod mounts
+    it and keeps a run's folder there (TRAINFLOW_OUTPUT_ROOT), so the nodes' checkpoint shards
+    land in one folder and a resumed run on other pods finds them. An object store URI
+    replaces the folder the same way."""
+    profile = select_profile(16, "H100", 2)
+    claim = {"name": "shared", "persistentVolumeClaim": {"claimName": "team-rwx"}}
+    job, _ = render_manifests(profile, shared_volume=claim)
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(job, version, strict=True)
+    _, pod, container = _pod(job)
+    assert claim in pod["volumes"]
+    assert {"name": "shared", "mountPath": "/shared"} in container["volumeMounts"]
+    assert _expand(container["env"])["TRAINFLOW_OUTPUT_ROOT"] == "/shared/outputs"
+    default_job, _ = render_manifests(profile)
+    assert {"name": "shared", "emptyDir": {}} in _pod(default_job)[1]["volumes"]
+    bucket, _ = render_manifests(profile, output_root="s3://team/runs")
+    assert _expand(_pod(bucket)[2]["env"])["TRAINFLOW_OUTPUT_ROOT"] == "s3://team/runs"

@@ -242,3 +242,31 @@ def test_detection_reads_its_dataset_from_the_bucket_checking_every_shard(
     cached[1].unlink()
     with pytest.raises(DataError, match=cached[1].name):
         read_split(remote, "train")
+
+
+def test_a_bad_output_root_in_the_environment_is_a_usage_error_naming_the_variable():
+    """TRAINFLOW_OUTPUT_ROOT (a team's shared default, set on its machines and pods) is checked
+    before any config is built: exit 2, one line naming it, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRAINFLOW_OUTPUT_ROOT": "nosuch://bucket/runs"}
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.mlp", "--max-steps", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "TRAINFLOW_OUTPUT_ROOT" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_output_root_defaults_to_the_environments(monkeypatch):
+    from trainflow.configs.mlp import MLPConfig
+
+    monkeypatch.setenv("TRAINFLOW_OUTPUT_ROOT", "s3://team-bucket/runs/")
+    assert MLPConfig().output_root == "s3://team-bucket/runs"
+    monkeypatch.setenv("TRAINFLOW_OUTPUT_ROOT", "")
+    assert MLPConfig().output_root is None

@@ -4,6 +4,7 @@ Pipeline configs subclass `PipelineConfig`, so `--gpus`, `--checkpoint-every` or
 the same in every pipeline, on the command line, in the Prefect UI and in deployments.
 """
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -41,11 +42,14 @@ class PipelineConfig(Resources):
         "its training from its last checkpoint, in the same MLflow run, with its own config.",
     )
     output_root: str | None = Field(
-        default=None,
+        # A team's machines and pods share one location through their environment.
+        default_factory=lambda: os.environ.get("TRAINFLOW_OUTPUT_ROOT") or None,
+        validate_default=True,
         description="Where the run's folder (config, checkpoints) is kept: a local folder "
         "instead of $TRAINFLOW_HOME/outputs, or an object storage URI (s3://bucket/prefix, "
         "gs://, az://) each complete checkpoint is uploaded to, from which `--resume` continues "
-        "on any machine (give it again with --resume). None: $TRAINFLOW_HOME/outputs.",
+        "on any machine (give it again with --resume). None: $TRAINFLOW_OUTPUT_ROOT, else "
+        "$TRAINFLOW_HOME/outputs.",
     )
 
     parent_run_id: SafeName | None = Field(

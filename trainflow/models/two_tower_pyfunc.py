@@ -108,12 +108,11 @@ def register_recommender(
                 artifacts={"weights": str(weights), "spec": str(spec)},
                 signature=SIGNATURE,
                 input_example=input_example,
-                registered_model_name=registered_model_name,
                 pip_requirements=tracking.pinned_requirements(
                     "torch", "numpy", "pandas", "cloudpickle"
                 ),
             )
-    version = str(info.registered_model_version)
+            version = tracking.new_model_version(info.model_uri, registered_model_name, run_id)
     client = tracking.store_client()
     for key, value in tags.items():
         client.set_model_version_tag(registered_model_name, version, key, value)
