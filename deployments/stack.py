@@ -217,6 +217,9 @@ class Stack:
         return stopped
 
     def down(self, purge: bool) -> None:
+        if not self.state.get("ports"):
+            print(f"no stack in {self.root}", file=sys.stderr)
+            return
         with self.locked():
             ctx = self.context()
             for name in reversed(SERVICES):

@@ -149,13 +149,11 @@ def flush_prefect_logs() -> None:
     APILogWorker.drain_all(timeout=10)
 
 
-@pytest.fixture(scope="session")
-def prefect_api(tmp_path_factory):
-    """A real `prefect server` (SQLite) on a loopback port, shared by the whole session.
-
-    Sets PREFECT_API_URL for this process and for any subprocess a test starts.
-    """
-    home = tmp_path_factory.mktemp("prefect-home")
+@contextlib.contextmanager
+def prefect_server(home: Path):
+    """A real `prefect server` (SQLite, its home `home`) on a loopback port, for as long as the
+    context lasts: PREFECT_API_URL and PREFECT_HOME point at it, in this process's environment
+    (so in every subprocess a test starts) and in Prefect's in-process settings."""
     port = free_port()
     env = {
         **os.environ,
@@ -209,3 +207,13 @@ def prefect_api(tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """A real `prefect server` (SQLite) on a loopback port, shared by the whole session.
+
+    Sets PREFECT_API_URL for this process and for any subprocess a test starts.
+    """
+    with prefect_server(tmp_path_factory.mktemp("prefect-home")) as url:
+        yield url

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -30,7 +30,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.states import Cancelling
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, prefect_server
 from trainflow import tracking
 
 pytestmark = pytest.mark.slow
@@ -67,9 +67,19 @@ def _cli(*args: str, env: dict) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def deployed(prefect_api) -> str:
-    """sweep/cpu-local, mlp/cpu-local and remote-call/cpu-local, deployed from prefect.yaml."""
+@pytest.fixture
+def deployed(tmp_path) -> Iterator[str]:
+    """sweep/cpu-local, mlp/cpu-local and remote-call/cpu-local, deployed from prefect.yaml to
+    a Prefect server of the test's own: the session's server is shared with other tests that
+    overwrite the same pool and deploy the same names meanwhile (a remote call's run then waited
+    on a queue the overwrite replaced)."""
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    with prefect_server(home) as url:
+        yield _deploy(url)
+
+
+def _deploy(url: str) -> str:
     env = dict(os.environ)
     _cli("work-pool", "create", "cpu-local", "--type", "process", "--overwrite", env=env)
     _cli(
@@ -83,7 +93,7 @@ def deployed(prefect_api) -> str:
         "remote-call/cpu-local",
         env=env,
     )
-    return prefect_api
+    return url
 
 
 @contextlib.contextmanager
