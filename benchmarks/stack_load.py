@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deployments.stack_services import cluster_home
+
 REPO = Path(__file__).resolve().parents[1]
 DB_ERRORS = re.compile(
     r"database is locked|deadlock detected|UniqueViolation|IntegrityError"
@@ -167,14 +169,6 @@ def postgres_unique_violations(path: Path) -> dict[str, int]:
     return counts
 
 
-def postgres_log(stack_dir: Path) -> Path:
-    """The PostgreSQL server log of the stack in `stack_dir` (where `Postgres` keeps it)."""
-    from deployments.stack_services import Context, Postgres
-
-    ctx = Context(stack_dir, "127.0.0.1", {"postgres": 0}, "", None, "")
-    return Postgres(ctx).log
-
-
 def stack_side(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     env["TRAINFLOW_STACK_DIR"] = str(work / "stack")
@@ -204,11 +198,10 @@ def stack_side(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         result.update(mlflow_checks(env["MLFLOW_TRACKING_URI"], args.trials))
         result.update(prefect_checks(env["PREFECT_API_URL"], args.trials))
         logs = [*work.glob("*.log"), *(work / "stack" / "logs").glob("*.log")]
-        logs.append(postgres_log(work / "stack"))  # deadlocks and lock timeouts show here
+        postgres_log = cluster_home(work / "stack") / "server.log"
+        logs.append(postgres_log)  # deadlocks and lock timeouts show here
         result["db_errors"] = count_db_errors(logs)
-        result["postgres_unique_violations"] = postgres_unique_violations(
-            postgres_log(work / "stack")
-        )
+        result["postgres_unique_violations"] = postgres_unique_violations(postgres_log)
         return result
     finally:
         stack("down", "--purge")

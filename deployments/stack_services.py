@@ -21,7 +21,6 @@ import hashlib
 import os
 import pwd
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from trainflow.launch.processes import stop_process_group
 
 START_TIMEOUT_S = 180.0
 STOP_WAIT_S = 20.0
@@ -126,36 +127,13 @@ def spawn(command: list[str], env: dict[str, str], log: Path, cwd: Path | None =
     return Record(proc.pid, psutil.Process(proc.pid).create_time(), 0)
 
 
-def _group(pgid: int) -> list[psutil.Process]:
-    """The live processes of process group `pgid` (zombies are dead for this purpose)."""
-    members = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                members.append(proc)
-        except (OSError, psutil.Error):
-            pass
-    return members
-
-
 def stop_group(record: Record, what: str) -> bool:
     """SIGTERM the recorded process's group and wait until all of it is gone; SIGKILL what is
     left after STOP_WAIT_S. False if the process was not running."""
     if record.process() is None:
         return False
-    for sig, wait_s in ((signal.SIGTERM, STOP_WAIT_S), (signal.SIGKILL, STOP_WAIT_S)):
-        try:
-            os.killpg(record.pid, sig)
-        except ProcessLookupError:
-            return True
-        deadline = time.monotonic() + wait_s
-        while _group(record.pid):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        else:
-            return True
-        print(f"{what} did not stop in {wait_s:.0f} s: killing it", file=sys.stderr)
+    if not stop_process_group(record.pid, STOP_WAIT_S):
+        print(f"{what} did not stop in {STOP_WAIT_S:.0f} s: killed it", file=sys.stderr)
     return True
 
 
@@ -189,6 +167,16 @@ def postgres_bin() -> Path:
     )
 
 
+def cluster_home(root: Path) -> Path:
+    """Where the PostgreSQL cluster of the stack in `root` lives (its data, its server log):
+    in the stack's folder, or for root (whose home the `postgres` user cannot reach) under
+    /var/lib/postgresql/trainflow/<id of the folder>."""
+    if os.geteuid() != 0:
+        return root / "postgres"
+    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
+    return Path("/var/lib/postgresql/trainflow") / digest
+
+
 class Postgres:
     """A private PostgreSQL cluster with the stack's two databases."""
 
@@ -205,11 +193,9 @@ class Postgres:
                     "PostgreSQL refuses to run as root and there is no `postgres` user: "
                     "install Debian's postgresql package or run the stack as another user"
                 ) from None
-            digest = hashlib.sha256(str(ctx.root.resolve()).encode()).hexdigest()[:12]
-            self.home = Path("/var/lib/postgresql/trainflow") / digest
         else:
             self.owner = None
-            self.home = ctx.root / "postgres"
+        self.home = cluster_home(ctx.root)
         self.data = self.home / "data"
         self.log = self.home / "server.log"
 

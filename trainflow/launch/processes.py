@@ -70,14 +70,18 @@ def kill_process_group(pgid: int) -> None:
     _wait_group_gone(pgid, SHUTDOWN_GRACE_S)
 
 
-def stop_process_group(pgid: int, grace_s: float = SHUTDOWN_GRACE_S) -> None:
-    """SIGTERM every live process of the group, then SIGKILL what is left after `grace_s`."""
+def stop_process_group(pgid: int, grace_s: float = SHUTDOWN_GRACE_S) -> bool:
+    """SIGTERM every live process of the group, then SIGKILL what is left after `grace_s`.
+
+    Returns whether the group was gone within `grace_s` (False: it had to be killed)."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
-        return
-    if not _wait_group_gone(pgid, grace_s):
-        kill_process_group(pgid)
+        return True
+    if _wait_group_gone(pgid, grace_s):
+        return True
+    kill_process_group(pgid)
+    return False
 
 
 def live_ranks(rd: RunDir, pgid: int, attempt: int | None = None) -> dict[int, int]:
