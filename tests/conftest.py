@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,6 +208,28 @@ def prefect_server(home: Path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+def run_once_worker(env: dict, log: Any) -> subprocess.Popen:
+    """A process worker on the cpu-local pool that runs what is scheduled now, then exits, in a
+    session of its own, its output to the open file `log`.
+
+    Prefect's process worker may leave each flow run's workspace manifest (its environment) in
+    a temp folder: it is kept beside the log, in the test's own folder."""
+    tmp = Path(log.name).parent / f"{Path(log.name).stem}-tmp"
+    tmp.mkdir(exist_ok=True)
+    return subprocess.Popen(
+        [
+            *(sys.executable, "-m", "prefect", "worker", "start", "--pool", "cpu-local"),
+            *("--run-once", "--type", "process"),
+        ],
+        cwd=REPO_ROOT,
+        env={**env, "TMPDIR": str(tmp)},
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,8 @@ from prefect.client.schemas.filters import (
 )
 from prefect.states import Cancelling
 
-from tests.conftest import REPO_ROOT, prefect_server
+from tests import processes
+from tests.conftest import REPO_ROOT, prefect_server, run_once_worker
 from trainflow import tracking
 
 pytestmark = pytest.mark.slow
@@ -100,31 +101,8 @@ def _deploy(url: str) -> str:
 def _worker(log: Path, env: dict | None = None):
     """A process worker on cpu-local that runs what is scheduled now, then exits; stopped
     (its whole session) if it is still there at the end."""
-    # Prefect's process worker keeps each flow run's workspace manifest (its whole environment)
-    # in a temp folder that it leaves behind when it is stopped: keep those in the test's own.
-    tmp = log.parent / f"{log.stem}-tmp"
-    tmp.mkdir(exist_ok=True)
     with open(log, "wb") as out:
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "prefect",
-                "worker",
-                "start",
-                "--pool",
-                "cpu-local",
-                "--run-once",
-                "--type",
-                "process",
-            ],
-            cwd=REPO_ROOT,
-            env={**os.environ, **(env or {}), "TMPDIR": str(tmp)},
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        worker = run_once_worker({**os.environ, **(env or {})}, out)
     try:
         yield worker
     finally:
@@ -135,29 +113,6 @@ def _worker(log: Path, env: dict | None = None):
             except subprocess.TimeoutExpired:
                 os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait()
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _survivors(procs: list[psutil.Process], seconds: float) -> list[psutil.Process]:
-    """The processes still alive after waiting up to `seconds` for them all to exit."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in procs):
-            return []
-        time.sleep(0.2)
-    return [p for p in procs if _alive(p)]
-
-
-def _kill(procs: list[psutil.Process]) -> None:
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -243,7 +198,7 @@ def test_cancelling_a_sweep_cancels_its_trials_and_leaves_nothing_running(deploy
                 cancelled_at = time.monotonic()
                 ended = _final(client, sweep.id, 90, log)
                 took = time.monotonic() - cancelled_at
-                survivors = _survivors(procs, 15)
+                survivors = processes.survivors(procs, 15)
                 # Read at once: the sweep ends its trials before it ends (the server's own
                 # clean-up of a cancelled run's subflow runs comes up to 20 s later).
                 ended_trials = trials()
@@ -255,7 +210,7 @@ def test_cancelling_a_sweep_cancels_its_trials_and_leaves_nothing_running(deploy
                     ),
                 )
             finally:
-                _kill(procs)
+                processes.kill_all(procs)
     text = log.read_text(errors="replace")[-4000:]
     assert ended.state.is_cancelled(), f"{ended.state.name}: {text}"
     assert survivors == [], [(p.pid, p.cmdline()) for p in survivors]
@@ -359,13 +314,13 @@ def test_stopping_a_remote_caller_cancels_the_remote_flow_run(deployed, tmp_path
                 caller.wait(timeout=30)
                 ended = _final(client, run.id, 60, log)
                 took = time.monotonic() - stopped_at
-                survivors = _survivors(procs, 15)
+                survivors = processes.survivors(procs, 15)
                 history = client.read_flow_run_states(run.id)
         finally:
             if caller.poll() is None:
                 os.killpg(caller.pid, signal.SIGKILL)
                 caller.wait()
-            _kill(procs)
+            processes.kill_all(procs)
     text = out.read_text(errors="replace")
     assert caller.returncode == -sig, text[-3000:]  # it still dies of the signal
     assert ended.state.is_cancelled(), (ended.state.name, log.read_text()[-3000:])
@@ -439,13 +394,13 @@ def test_a_run_whose_machine_died_ends_crashed_by_its_missing_heartbeat(
                     time.sleep(1)
                 procs = _descendants(worker.pid)
                 flow_process = psutil.Process(worker.pid).children()
-                _kill([psutil.Process(worker.pid), *flow_process])
+                processes.kill_all([psutil.Process(worker.pid), *flow_process])
                 killed_at = time.monotonic()
                 ended = _final(client, run.id, window + 45, log)
                 took = time.monotonic() - killed_at
-                survivors = _survivors(procs, 15)
+                survivors = processes.survivors(procs, 15)
             finally:
-                _kill(procs)
+                processes.kill_all(procs)
     assert ended.state.is_crashed(), ended.state
     assert ended.state.message.startswith(f"No heartbeat for {window:.0f} s"), ended.state
     assert took <= window + 45, took

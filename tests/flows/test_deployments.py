@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.exceptions import PrefectHTTPStatusError
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, run_once_worker
 
 pytestmark = pytest.mark.slow
 
@@ -41,35 +41,6 @@ def _cli(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedPro
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
-
-
-def _run_once_worker(env: dict, log) -> subprocess.Popen:
-    """A process worker on the cpu-local pool that runs what is scheduled now, then exits.
-
-    Prefect's process worker may leave each flow run's workspace manifest (its environment) in
-    a temp folder: it is kept beside the log, in the test's own folder."""
-    tmp = Path(log.name).parent / "worker-tmp"
-    tmp.mkdir(exist_ok=True)
-    env = {**env, "TMPDIR": str(tmp)}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "prefect",
-            "worker",
-            "start",
-            "--pool",
-            "cpu-local",
-            "--run-once",
-            "--type",
-            "process",
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +84,7 @@ def deployed_run(prefect_api, tmp_path_factory):
             deployment.id, parameters={"config": SMALL}
         )
     worker_log = open(work / "worker.log", "wb")  # noqa: SIM115 - closed below
-    worker = _run_once_worker(env, worker_log)
+    worker = run_once_worker(env, worker_log)
     try:
         deadline = time.monotonic() + 400
         with get_client(sync_client=True) as client:
@@ -279,7 +250,7 @@ def test_remote_true_runs_the_call_on_the_deployment_and_returns_rank_values(dep
                 assert caller.poll() is None, caller.communicate()[0][-3000:]
                 assert time.monotonic() < deadline, "the remote call created no flow run"
                 time.sleep(0.5)
-        worker = _run_once_worker(env, worker_log)  # the call is waiting for it now
+        worker = run_once_worker(env, worker_log)  # the call is waiting for it now
         out, _ = caller.communicate(timeout=400)
     finally:
         for proc in (caller, worker):

@@ -15,7 +15,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from tests.flows.test_resume import _descendants, _logged_steps, _run, _run_dir, _start, _wait_gone
+from tests.flows.test_resume import _logged_steps, _lose_the_machine, _run, _run_dir, _start
 from tests.unit.conftest import s3_server  # noqa: F401 - the stand-in S3 server fixture
 from trainflow import checkpoint, tracking
 from trainflow.paths import trainflow_home
@@ -55,10 +55,7 @@ def _kill_once_in_the_bucket(s3, pipeline: str, args: list[str]) -> tuple[str, i
             assert first.poll() is None, first.stdout.read()[-5000:]
             assert time.monotonic() < deadline, "no checkpoint reached the bucket"
             time.sleep(0.2)
-        procs = _descendants(first.pid)
-        os.killpg(first.pid, signal.SIGKILL)  # the machine lost: nothing runs any cleanup
-        first.wait(timeout=30)
-        assert _wait_gone(procs, 10) == []
+        _lose_the_machine(first)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)

@@ -91,6 +91,15 @@ def _wait_gone(procs: list[psutil.Process], seconds: float) -> list[int]:
     return alive
 
 
+def _lose_the_machine(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's whole process group (nothing runs any cleanup) and assert every
+    process of it is gone."""
+    procs = _descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert _wait_gone(procs, 10) == []
+
+
 def _logged_steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
     return sorted({m.step for m in client.get_metric_history(run_id, key)})
 
@@ -107,10 +116,7 @@ def test_sft_killed_with_its_process_group_resumes_from_its_last_checkpoint(pref
     run_id = run_dir.name
     try:
         _wait_for_step(run_dir, 30, first)
-        procs = _descendants(first.pid)
-        os.killpg(first.pid, signal.SIGKILL)  # the machine lost: nothing runs any cleanup
-        first.wait(timeout=30)
-        assert _wait_gone(procs, 10) == []
+        _lose_the_machine(first)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)

@@ -7,7 +7,6 @@ scheduler would and checks what is left: how fast it ended, the MLflow run's sta
 registry, and every process the run had started (server and guard included).
 """
 
-import contextlib
 import os
 import signal
 import socket
@@ -20,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests import processes
 from tests.conftest import REPO_ROOT
 from trainflow import tracking
 from trainflow.checkpoint import complete_checkpoints
@@ -50,29 +50,6 @@ SERVED = "cpu-local-cancel-test"
 def prefect_home(tmp_path_factory) -> Path:
     """One PREFECT_HOME for this module's command lines: its database is created only once."""
     return tmp_path_factory.mktemp("prefect-home-stops")
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _survivors(procs: list[psutil.Process], seconds: float) -> list[psutil.Process]:
-    """The processes still alive after waiting up to `seconds` for them all to exit."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in procs):
-            return []
-        time.sleep(0.1)
-    return [p for p in procs if _alive(p)]
-
-
-def _kill(procs: list[psutil.Process]) -> None:
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
 
 
 def _rank_log_has_steps(trainflow_home: Path) -> bool:
@@ -180,12 +157,12 @@ def test_stopping_the_process_group_ends_the_run_killed_within_seconds(
         except subprocess.TimeoutExpired:
             pytest.fail(f"still running 15 s after {sig.name}:\n{out.read_text()[-4000:]}")
         took = time.monotonic() - stopped_at
-        survivors = _survivors(procs, 10)
+        survivors = processes.survivors(procs, 10)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        _kill(procs)
+        processes.kill_all(procs)
     text = out.read_text()
     assert proc.returncode == code, text[-4000:]
     assert survivors == [], [(p.pid, p.cmdline()) for p in survivors]
@@ -245,12 +222,12 @@ def test_killed_flow_process_leaves_nothing_running_and_its_run_is_reaped(tmp_pa
         procs = _run_processes(proc.pid)
         proc.kill()  # the flow process alone: its server, guard and ranks get no signal
         proc.wait()
-        survivors = _survivors(procs, 10)
+        survivors = processes.survivors(procs, 10)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        _kill(procs)
+        processes.kill_all(procs)
     assert survivors == [], [(p.pid, p.cmdline()) for p in survivors]
     client, run = _only_run()
     assert run.info.status == "RUNNING"  # nobody was left to end it
@@ -305,13 +282,13 @@ def test_cancelling_a_served_deployment_run_kills_its_ranks_and_run(prefect_api,
             assert len(ranks) >= 3, [p.cmdline() for p in procs]  # the agent and 2 ranks
             client.set_flow_run_state(flow_run.id, Cancelling())  # what the UI's Cancel does
             cancelled_at = time.monotonic()
-            survivors = _survivors(ranks, 10)
+            survivors = processes.survivors(ranks, 10)
             took = time.monotonic() - cancelled_at
             deadline = time.monotonic() + 60
             while not (state := client.read_flow_run(flow_run.id).state).is_final():
                 assert time.monotonic() < deadline, f"flow run still {state.name}"
                 time.sleep(0.5)
-        left = _survivors(procs, 10)
+        left = processes.survivors(procs, 10)
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
         try:
@@ -319,7 +296,7 @@ def test_cancelling_a_served_deployment_run_kills_its_ranks_and_run(prefect_api,
         except subprocess.TimeoutExpired:
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait()
-        _kill(procs)
+        processes.kill_all(procs)
     text = log.read_text(errors="replace")[-4000:]
     assert survivors == [], [(p.pid, p.cmdline()) for p in survivors]
     assert left == [], [(p.pid, p.cmdline()) for p in left]

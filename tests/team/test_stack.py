@@ -10,21 +10,10 @@ import boto3
 import psutil
 import pytest
 
+from tests.processes import alive_pids
 from tests.team.conftest import REPO_ROOT, parse_exports, stack_command
 
 pytestmark = pytest.mark.slow
-
-
-def _alive(pids: list[int]) -> list[int]:
-    """Those of `pids` that still run (a zombie waiting for its parent's wait does not)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.Error:
-            pass
-    return alive
 
 
 def _listening(pid: int) -> set[str]:
@@ -190,7 +179,7 @@ def test_down_stops_every_service_by_pid_and_up_finds_the_data_again(tmp_path):
         MlflowClient(uri).create_experiment("kept-across-down")
         down = stack_command("down", env)
         assert down.returncode == 0, down.stdout + down.stderr
-        assert not _alive(pids)
+        assert not alive_pids(pids)
         status = stack_command("status", env)
         assert status.returncode == 3 and "stopped" in status.stdout
         up = stack_command("up", env)
@@ -206,7 +195,7 @@ def test_down_stops_every_service_by_pid_and_up_finds_the_data_again(tmp_path):
     finally:
         purge = stack_command("down", env, "--purge")
     assert purge.returncode == 0, purge.stdout + purge.stderr
-    assert not _alive(pids)
+    assert not alive_pids(pids)
     assert not (tmp_path / "stack").exists()
 
 
