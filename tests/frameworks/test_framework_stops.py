@@ -15,7 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.flows.test_stop_signals import _kill, _only_run, _start_pipeline, _survivors
+from tests import processes
+from tests.flows.test_stop_signals import _only_run, _start_pipeline
 from trainflow.configs.frameworks import FRAMEWORKS
 
 pytestmark = pytest.mark.slow
@@ -52,12 +53,12 @@ def test_ctrl_c_stops_every_process_of_a_framework_run(tmp_path):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pytest.fail(f"still running 30 s after SIGINT:\n{out.read_text()[-4000:]}")
-        survivors = _survivors(procs, 10)
+        survivors = processes.survivors(procs, 10)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        _kill(procs)
+        processes.kill_all(procs)
     text = out.read_text()
     assert proc.returncode == 130, text[-4000:]
     assert survivors == [], [(p.pid, p.cmdline()) for p in survivors]

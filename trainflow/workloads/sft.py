@@ -310,9 +310,9 @@ class EfficiencyCallback(TrainerCallback):
         self.sink = sink
         self.figures: dict[str, float] = {}
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.meter.start()
-
+    # The window opens at the first batch's fetch (`meter.timed`), not at `on_train_begin`: the
+    # Trainer builds its engine after that callback (DeepSpeed's initialize, the wrapping), and
+    # a rank that got there first would count its wait for the others as training.
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.meter.step()
 
