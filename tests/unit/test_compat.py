@@ -291,6 +291,28 @@ def test_cleared_exit_handlers_do_not_run(tmp_path):
     assert out.returncode == 0 and out.stdout == "own handler\n", out.stderr
 
 
+def test_no_compiled_ops_never_runs_deepspeeds_compiler_probe(tmp_path):
+    """DeepSpeed probes every op (a compiler run each) on the first read of
+    `ops.__compatible_ops__`; saying none is available must not read it first."""
+    out = _run(
+        """
+        import subprocess
+        import deepspeed
+        from trainflow.compat.deepspeed import no_compiled_ops
+
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"a process started: {args[0]!r}")
+
+        subprocess.Popen.__init__ = refuse
+        no_compiled_ops(deepspeed)
+        print(deepspeed.ops.__compatible_ops__)
+        """,
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "{}"  # DeepSpeed prints its accelerator first
+
+
 def test_the_architecture_doc_lists_every_patch_with_its_range():
     doc = (ROOT / "docs" / "architecture.md").read_text()
     rows = {line.split(" | ")[0].strip("| "): line for line in doc.splitlines() if " | " in line}

@@ -42,7 +42,11 @@ def no_compiled_ops(module: Any = None) -> None:
 
         module = deepspeed
     check(COMPATIBLE_OPS)
-    if not isinstance(getattr(module.ops, "__compatible_ops__", None), dict):
+    ops = vars(module.ops)
+    # DeepSpeed 0.19 probes on the first read of the name (the module's `__getattr__` compiles
+    # a test program per op): reading it here would run the very probe this prevents, so only
+    # the module's own namespace is looked at, and the name is set before anything reads it.
+    if not isinstance(ops.get("__compatible_ops__"), dict) and "__getattr__" not in ops:
         return  # gone: DeepSpeed probes (slower, not wrong); the test says so
     module.ops.__compatible_ops__ = {}
 
