@@ -118,10 +118,18 @@ def test_each_rank_reads_its_own_partition_through_the_trainer(chat_split, techn
     assert result.wrapped_as == expected
 
 
-@pytest.mark.parametrize("technique", [DDPConfig(), FSDPConfig()], ids=["ddp", "fsdp"])
-def test_the_trainer_resumes_at_the_next_unseen_sample(chat_split, technique, tmp_path):
+@pytest.mark.parametrize(
+    ("technique", "background"),
+    [(DDPConfig(), False), (FSDPConfig(), False), (DDPConfig(), True)],
+    ids=["ddp", "fsdp", "ddp-async"],
+)
+def test_the_trainer_resumes_at_the_next_unseen_sample(chat_split, technique, background, tmp_path):
     """A run resumed from a checkpoint in its second epoch trains on exactly the batches the
-    uninterrupted run trained on after that step, and logs the same losses."""
+    uninterrupted run trained on after that step, and logs the same losses.
+
+    With `async_checkpoints`, the checkpoint written in the background while the next steps
+    change the weights holds exactly its own step's state (that of a run that wrote it at
+    once), and the run resumed from it ends with exactly the uninterrupted run's weights."""
     data, _ = chat_split
     saved_at, steps = STEPS_PER_EPOCH + 1, STEPS_PER_EPOCH + 3
     preset = load_sft_preset("debug_cpu")
@@ -136,11 +144,11 @@ def test_the_trainer_resumes_at_the_next_unseen_sample(chat_split, technique, tm
         }
     )
 
-    def run(out: Path, resume_from: Path | None = None) -> list[dict[str, Any]]:
+    def run(out: Path, resume_from: Path | None = None, **update: Any) -> list[dict[str, Any]]:
         workload = Workload(
             train_fn=ids_through_the_trainer,
             model_fn="trainflow.workloads.sft:build_model",
-            config=SFTJob(config=config, data=data),
+            config=SFTJob(config=config.model_copy(update=update), data=data),
             output_dir=str(out),
             framework="hf",
             resume_from=str(resume_from) if resume_from else None,
@@ -151,10 +159,109 @@ def test_the_trainer_resumes_at_the_next_unseen_sample(chat_split, technique, tm
     full = run(tmp_path / "full")
     saved = tmp_path / "full" / "checkpoints" / f"checkpoint-{saved_at}"
     assert checkpoint.read_meta(saved)["step"] == saved_at
-    resumed = run(tmp_path / "resumed", saved)
+    if background:
+        run(tmp_path / "async", async_checkpoints=True)
+        saved = tmp_path / "async" / "checkpoints" / f"checkpoint-{saved_at}"
+        _assert_same_checkpoint(saved, tmp_path / "full" / "checkpoints" / saved.name)
+    resumed = run(tmp_path / "resumed", saved, async_checkpoints=background)
     for rank in (0, 1):
         assert resumed[rank]["ids"] == full[rank]["ids"][saved_at:], f"rank {rank}"
     before, after = full[0]["result"].history, resumed[0]["result"].history
     assert sorted(after) == list(range(saved_at + 1, steps + 1))
     for step in after:
         assert after[step]["loss"] == pytest.approx(before[step]["loss"], rel=1e-3), step
+    if background:
+        _assert_same_weights(tmp_path / "resumed" / "model", tmp_path / "full" / "model")
+
+
+def _assert_same_checkpoint(saved: Path, expected: Path) -> None:
+    """Every file the Trainer reads back on a resume holds equal values in both folders."""
+    import json
+
+    _assert_same_weights(saved, expected)
+    names = sorted(p.name for p in expected.glob("*.pt*"))
+    assert "optimizer.pt" in names and "rng_state_1.pth" in names
+    assert sorted(p.name for p in saved.glob("*.pt*")) == names
+    for name in names:
+        # Files this run wrote itself; the Trainer's RNG file holds NumPy's state.
+        ours, theirs = (torch.load(p / name, weights_only=False) for p in (saved, expected))
+        _assert_equal(ours, theirs, name)
+    for name in ("trainer_state.json", "data_state.json"):
+        ours, theirs = (_untimed(json.loads((p / name).read_text())) for p in (saved, expected))
+        assert ours == theirs, name
+
+
+def _untimed(state: Any) -> Any:
+    """A checkpoint's JSON without the speeds the Trainer logs (`train_runtime`, ...)."""
+    if isinstance(state, dict):
+        return {k: _untimed(v) for k, v in state.items() if not k.startswith("train_")}
+    return [_untimed(v) for v in state] if isinstance(state, list) else state
+
+
+def _assert_same_weights(saved: Path, expected: Path) -> None:
+    from safetensors.torch import load_file
+
+    ours, theirs = load_file(saved / "model.safetensors"), load_file(expected / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+def _assert_equal(ours: Any, theirs: Any, where: str) -> None:
+    if isinstance(theirs, torch.Tensor):
+        assert torch.equal(ours, theirs), where
+    elif isinstance(theirs, dict):
+        assert ours.keys() == theirs.keys(), where
+        for key in theirs:
+            _assert_equal(ours[key], theirs[key], f"{where}[{key!r}]")
+    elif isinstance(theirs, list | tuple):
+        assert len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            _assert_equal(a, b, f"{where}[{i}]")
+    elif hasattr(theirs, "shape"):  # NumPy's RNG keys
+        assert (ours == theirs).all(), where
+    else:
+        assert ours == theirs, where
+
+
+def save_twice_rank_1_failing_the_second(root: str) -> str:
+    """Rank function: two background checkpoints through `DurableCallback` (keep 1); rank 1's
+    write of the second fails. What the training thread's next wait raised."""
+    from types import SimpleNamespace
+
+    from trainflow import runtime
+    from trainflow.workloads.sft_checkpoints import DurableCallback
+
+    with runtime.process_group():
+        loader = SimpleNamespace(state_dict=lambda: {"samples": 1})
+        durable = DurableCallback(loader, True, "ddp", keep=1, background=True)
+        args, control = SimpleNamespace(output_dir=root), SimpleNamespace()
+        durable.on_train_begin(args, None, control)
+        for step in (2, 4):
+            durable.saves.wait()
+            folder = Path(root) / f"checkpoint-{step}"
+            rank = runtime.get_global_rank()
+
+            def write(folder: Path = folder, rank: int = rank, step: int = step) -> None:
+                folder.mkdir(parents=True, exist_ok=True)
+                if step == 4 and rank == 1:
+                    raise OSError("disk full")
+                (folder / f"part_{rank}").write_text("x")
+
+            durable.saves.add(write)
+            durable.on_save(args, SimpleNamespace(global_step=step, max_steps=10), control)
+        try:
+            durable.saves.wait()
+        except RuntimeError as exc:
+            return str(exc)
+        return ""
+
+
+def test_a_background_checkpoint_not_written_on_every_rank_is_never_resumed_from(tmp_path):
+    options = load_sft_preset("debug_cpu").resources.launch_options()
+    errors = launch(save_twice_rank_1_failing_the_second, (str(tmp_path),), options=options)
+    assert "disk full" in errors.values[1]
+    assert "checkpoint-4 was not written on every rank" in errors.values[0]
+    assert not (tmp_path / "checkpoint-4" / checkpoint.MARKER).exists()
+    # The older checkpoint is kept: only a complete newer one replaces it.
+    assert checkpoint.resolve(tmp_path) == tmp_path / "checkpoint-2"

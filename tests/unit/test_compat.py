@@ -54,6 +54,10 @@ BEHAVIOUR = {
     "test_sft_trainer_cell_trains_over_both_ranks",
     "transformers: Trainer.create_accelerator_and_postprocess": "tests/distributed/"
     "test_notebook_cells.py::test_sft_trainer_cell_trains_over_both_ranks",
+    "transformers: Trainer.save_model (_internal_call)": "tests/distributed/test_rank_data.py::"
+    "test_the_trainer_resumes_at_the_next_unseen_sample",
+    "transformers: Trainer._save_optimizer_and_scheduler": "tests/distributed/"
+    "test_rank_data.py::test_the_trainer_resumes_at_the_next_unseen_sample",
     "accelerate: AcceleratorState.fsdp_plugin, distributed_type": "tests/distributed/"
     "test_notebook_cells.py::test_sft_trainer_cell_trains_over_both_ranks",
     "accelerate: PartialState.__init__": "tests/distributed/test_notebook_cells.py::"
@@ -104,6 +108,7 @@ PRIVATE_NAMES = (
     "_lazy_init",
     "_create_tcp_store_server",
     "c10d_rendezvous_backend.TCPStore",
+    "_save_optimizer_and_scheduler",
 )
 
 

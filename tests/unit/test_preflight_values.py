@@ -72,7 +72,12 @@ def test_other_values_the_ranks_would_fail_on_are_refused(capsys, name, argv, na
 @pytest.mark.parametrize(
     ("name", "argv", "names"),
     [
-        ("sft", ("--async-checkpoints",), "async_checkpoints: this pipeline checkpoints through"),
+        (
+            "sft",
+            ("--async-checkpoints", "--technique", '{"name": "fsdp"}'),
+            "async_checkpoints: technique 'fsdp' writes its checkpoints at once; background "
+            "checkpoints are for ddp",
+        ),
         ("two_tower", ("--async-checkpoints",), "its framework's own trainer"),
         (
             "transformer",

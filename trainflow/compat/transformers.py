@@ -14,12 +14,14 @@ both.
 import os
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from trainflow.compat.adaptations import launched_world, note, single_process
 from trainflow.compat.patching import check, declare, replace
 
 TRANSFORMERS = ">=4.51,<5.23"
+# Background checkpoints: written and tested for trainflow's own environment only.
+TRANSFORMERS_CHECKPOINTS = ">=5.22,<5.23"
 ACCELERATE = ">=1.8,<1.17"
 
 TRAINING_ARGUMENTS = declare(
@@ -58,6 +60,122 @@ PARTIAL_STATE = declare(
     "Accelerator() does (it joins the gloo world); a state that set itself up single-process "
     "inside a multi-rank launch fails, naming it, instead of training one copy per rank",
 )
+
+SAVE_MODEL = declare(
+    "transformers: Trainer.save_model (_internal_call)",
+    "transformers",
+    TRANSFORMERS_CHECKPOINTS,
+    target="transformers.trainer:Trainer.save_model",
+    params=("self", "output_dir", "_internal_call"),
+    outside="refuse",
+    why="background checkpoints: the weights `_save_checkpoint` saves (`_internal_call=True`) "
+    "are copied to host memory and written by `Trainer._save` in a thread; a Trainer that "
+    "saved them elsewhere would leave checkpoints without weights, marked complete",
+)
+SAVE_OPTIMIZER = declare(
+    "transformers: Trainer._save_optimizer_and_scheduler",
+    "transformers",
+    TRANSFORMERS_CHECKPOINTS,
+    target="transformers.trainer:Trainer._save_optimizer_and_scheduler",
+    params=("self", "output_dir"),
+    outside="refuse",
+    why="background checkpoints: the optimizer and scheduler states are copied to host "
+    "memory and written by a thread as `optimizer.pt` and `scheduler.pt`",
+)
+
+
+class BackgroundWriter(Protocol):
+    """Where a Trainer's checkpoint writes go when they run in the background."""
+
+    def wait(self) -> None:
+        """Return once the checkpoint in flight, if any, is written (raise its error)."""
+
+    def in_background(self, step: int, max_steps: int) -> bool:
+        """Whether the checkpoint of `step` is written in the background."""
+
+    def add(self, write: Callable[[], None]) -> None:
+        """One write of the checkpoint being saved, to run in the background."""
+
+
+def write_checkpoints_in_background(trainer_class: type, writer: BackgroundWriter) -> None:
+    """Have `trainer_class` (a subclass of the Trainer, under DDP or on one process) copy its
+    checkpoints' weights, optimizer and scheduler to host memory and hand their writes to
+    `writer`: the same files, written by the same calls (`Trainer._save`, `torch.save`).
+
+    Every save of a checkpoint first waits for the one in flight; a checkpoint `writer` keeps in
+    the foreground (the last step's, a stop's) is written by the Trainer itself. The FSDP and
+    DeepSpeed checkpoints (their engines' own sharded writes) are refused.
+    """
+    import torch
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+    def background(trainer: Any) -> bool:
+        if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+            raise ValueError(
+                "async_checkpoints: the Trainer writes FSDP and DeepSpeed checkpoints at once"
+            )
+        return writer.in_background(trainer.state.global_step, trainer.state.max_steps)
+
+    def make_save_model(original: Callable[..., Any]) -> Callable[..., Any]:
+        def save_model(
+            self: Any, output_dir: str | None = None, _internal_call: bool = False
+        ) -> None:
+            if not _internal_call:
+                return original(self, output_dir, _internal_call)
+            writer.wait()  # one checkpoint in flight at most
+            if not background(self):
+                return original(self, output_dir, _internal_call)
+            if self.args.should_save:
+                weights = host_copy(self.model.state_dict())
+                writer.add(lambda: self._save(output_dir, state_dict=weights))
+            return None
+
+        return save_model
+
+    def make_save_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _save_optimizer_and_scheduler(self: Any, output_dir: str) -> None:
+            if not background(self):
+                return original(self, output_dir)
+            if self.args.should_save:
+                optimizer = host_copy(self.optimizer.state_dict())
+                scheduler = host_copy(self.lr_scheduler.state_dict())
+
+                def write() -> None:
+                    torch.save(optimizer, os.path.join(output_dir, OPTIMIZER_NAME))
+                    torch.save(scheduler, os.path.join(output_dir, SCHEDULER_NAME))
+
+                writer.add(write)
+            return None
+
+        return _save_optimizer_and_scheduler
+
+    replace(SAVE_MODEL, trainer_class, "save_model", make_save_model)
+    replace(SAVE_OPTIMIZER, trainer_class, "_save_optimizer_and_scheduler", make_save_optimizer)
+
+
+def host_copy(value: Any) -> Any:
+    """`value` (a state dict: tensors in dicts, lists and tuples) with every tensor copied to
+    host memory and every container new, so later steps cannot change it. Tensors that share
+    storage (tied weights) share their copy, as the Trainer's writer expects of them."""
+    import copy
+
+    import torch
+
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def copied(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            key = (v.untyped_storage().data_ptr(), v.storage_offset(), v.shape, v.stride(), v.dtype)
+            if key not in copies:
+                copies[key] = v.detach().to("cpu", copy=True)
+            return copies[key]
+        if isinstance(v, dict):
+            return {k: copied(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return type(v)(copied(x) for x in v)
+        return copy.deepcopy(v)
+
+    return copied(value)
 
 
 def adapt_training_arguments(module: types.ModuleType) -> None:

@@ -32,9 +32,10 @@ class PipelineConfig(Resources):
     async_checkpoints: bool = Field(
         default=False,
         description="Write checkpoints in the background (DDP and FSDP in trainflow's own loop: "
-        "MLP, transformer, detection): the state is copied to host memory and training goes on "
-        "while a thread writes it; it counts only once every rank's files are written. The last "
-        "checkpoint and a stop's are written at once; other techniques always are.",
+        "MLP, transformer, detection; DDP in the SFT Trainer): the state is copied to host "
+        "memory and training goes on while a thread writes it; it counts only once every rank's "
+        "files are written. The last checkpoint and a stop's are written at once; other "
+        "techniques always are.",
     )
     resume: SafeName | None = Field(
         default=None,
@@ -75,9 +76,10 @@ class PipelineConfig(Resources):
             return root.rstrip("/")
         return str(Path(root).expanduser().absolute())  # the ranks may start elsewhere
 
-    # Whether the pipeline trains in trainflow's own loop, whose DDP and FSDP checkpoints can
-    # be written in the background (`async_checkpoints`).
+    # Whether the pipeline's checkpoints can be written in the background (`async_checkpoints`),
+    # and under which techniques: trainflow's own loop writes DDP and FSDP ones with DCP.
     BACKGROUND_CHECKPOINTS: ClassVar[bool] = False
+    BACKGROUND_TECHNIQUES: ClassVar[tuple[str, ...]] = ("ddp", "fsdp")
 
     @model_validator(mode="after")
     def _async_checkpoints_where_they_run(self) -> "PipelineConfig":
@@ -89,10 +91,10 @@ class PipelineConfig(Resources):
                 "async_checkpoints: this pipeline checkpoints through its framework's own "
                 "trainer, which writes at once; leave it off"
             )
-        if technique not in ("ddp", "fsdp"):
+        if technique not in self.BACKGROUND_TECHNIQUES:
             raise ValueError(
                 f"async_checkpoints: technique {technique!r} writes its checkpoints at once; "
-                "background checkpoints are for ddp and fsdp"
+                f"background checkpoints are for {' and '.join(self.BACKGROUND_TECHNIQUES)}"
             )
         return self
 

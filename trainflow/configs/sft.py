@@ -138,6 +138,11 @@ def _follow(technique: Technique, option: str | None, value: Any) -> Any:
 class SFTConfig(PipelineConfig):
     """Everything the SFT pipeline needs; shown as the run form in the Prefect UI."""
 
+    # The Trainer's DDP checkpoints are written from host copies by a thread
+    # (`workloads.sft_checkpoints`); its FSDP and DeepSpeed ones by their engines, at once.
+    BACKGROUND_CHECKPOINTS = True
+    BACKGROUND_TECHNIQUES = ("ddp",)
+
     model: str = Field(
         default="tiny-llama",
         description="A tiny offline architecture (tiny-llama, tiny-gpt-oss) or a Hugging Face "

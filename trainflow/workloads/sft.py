@@ -20,6 +20,7 @@ import datasets
 from transformers import PreTrainedModel, TrainerCallback
 
 from trainflow import runtime
+from trainflow.compat.transformers import write_checkpoints_in_background
 from trainflow.configs.sft import (
     PRESETS_DIR,
     SHIPPED_TOKENIZER,
@@ -51,6 +52,7 @@ from trainflow.tracking import (
     registrable_as_is,
 )
 from trainflow.workloads import Evaluation
+from trainflow.workloads.sft_checkpoints import BackgroundSaves, DurableCallback, read_data_state
 from trainflow.workloads.sft_checks import check_ahead, check_config
 
 __all__ = [
@@ -224,9 +226,12 @@ def train_loader(job: SFTJob, pad_token_id: int, state: dict[str, Any] | None = 
     )
 
 
-def _on_rank(trainer_class: type, loader: Any, meter: EfficiencyMeter) -> type:
+def _on_rank(
+    trainer_class: type, loader: Any, meter: EfficiencyMeter, saves: BackgroundSaves
+) -> type:
     """`trainer_class` reading `loader` as it is (this rank's partition), timing its data waits
-    and counting the samples and tokens of its batches in `meter`.
+    and counting the samples and tokens of its batches in `meter`; with `saves` enabled, its
+    checkpoints are copied to host memory and written by `saves`' thread.
 
     The Trainer would otherwise hand the loader to accelerate, which shards an iterable
     dataset a second time across the ranks.
@@ -247,6 +252,8 @@ def _on_rank(trainer_class: type, loader: Any, meter: EfficiencyMeter) -> type:
                 sample_log.record(batch.pop("sample_ids").tolist())
             return batches, num_items
 
+    if saves.enabled:
+        write_checkpoints_in_background(RankTrainer, saves)
     return RankTrainer
 
 
@@ -320,64 +327,6 @@ class EfficiencyCallback(TrainerCallback):
         self.figures = self.meter.report()  # every rank: it gathers the ranks' figures
         self.sink.log(state.global_step, self.figures)
         self.sink.flush()
-
-
-DATA_STATE = "data_state.json"
-
-
-class DurableCallback(TrainerCallback):
-    """Checkpoints a resume can trust, and a stop that leaves one behind.
-
-    - After the Trainer saved `checkpoint-N` on every rank, rank 0 adds the loader's position
-      (`data_state.json`) and the completion marker, so a resume only ever reads a whole
-      checkpoint and continues at the next unseen sample.
-    - After every step the ranks agree whether a stop was requested (SIGTERM: a preemption,
-      Ctrl-C or a cancel upstream); if so the Trainer saves and stops at that step.
-    """
-
-    def __init__(self, loader: Any, checkpointing: bool, technique: str) -> None:
-        self.loader = loader
-        self.checkpointing = checkpointing
-        self.technique = technique
-        self.stopped_at: int | None = None
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        runtime.heartbeat(state.global_step)
-        if runtime.should_stop():
-            self.stopped_at = state.global_step
-            control.should_save = self.checkpointing
-            control.should_training_stop = True
-
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        import json
-
-        import torch.distributed as dist
-
-        from trainflow import checkpoint, storage
-
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        data_state = self.loader.state_dict()  # every rank: it counts this rank's samples
-        if dist.is_initialized():
-            dist.barrier()  # every rank has written its part of the checkpoint
-        if runtime.is_rank_zero():
-            (folder / DATA_STATE).write_text(json.dumps(data_state))
-            checkpoint.mark_complete(
-                folder,
-                state.global_step,
-                technique=self.technique,
-                world_size=runtime.get_world_size(),
-            )
-            storage.mirror_checkpoint(folder)  # a run kept in object storage: upload it there
-        if dist.is_initialized():
-            dist.barrier()
-
-
-def read_data_state(checkpoint_dir: Path) -> dict[str, Any] | None:
-    """The loader position saved with a checkpoint, if any."""
-    import json
-
-    path = checkpoint_dir / DATA_STATE
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def technique_arguments(
@@ -566,7 +515,9 @@ def _trainer_config(config: SFTConfig, strategy: Strategy, model: Any, out: Path
         logging_steps=t.logging_steps,
         save_strategy="steps" if config.checkpoint_every else "no",
         save_steps=config.checkpoint_every or 500,
-        save_total_limit=config.keep_checkpoints,
+        # Old checkpoints are deleted once a newer one is complete (`DurableCallback`), not
+        # while it may still be written.
+        save_total_limit=None,
         # The loader's own saved position says where to continue; the Trainer must not skip
         # batches of it again.
         ignore_data_skip=True,
@@ -661,8 +612,14 @@ def train(
     columns = datasets.Dataset.from_dict(
         {"input_ids": [[tokenizer.pad_token_id]], "labels": [[-100]]}
     )
-    durable = DurableCallback(loader, config.checkpoint_every > 0, strategy.name)
-    trainer = _on_rank(SFTTrainer, loader, meter)(
+    durable = DurableCallback(
+        loader,
+        config.checkpoint_every > 0,
+        strategy.name,
+        keep=config.keep_checkpoints,
+        background=config.async_checkpoints,
+    )
+    trainer = _on_rank(SFTTrainer, loader, meter, durable.saves)(
         model=model,
         args=_trainer_config(config, strategy, model, out),
         train_dataset=columns,
