@@ -18,22 +18,29 @@ checkpoint (the Trainer would time a run's last one). The pipeline's loader read
 batches in a thread while the rank trains (`LoaderConfig.prefetch`); the plain Trainer reads
 each batch in its loop, as a plain script does.
 
+`--busy-core` keeps one core busy with a spinning process beside both sides for the whole
+comparison: the ranks then share the machine with other work, as on a slower or loaded
+machine, where costs beside the training step (a thread reading ahead, a collective per step)
+weigh more.
+
 The sides run alternately, `--repeats` times each, and the fastest run of each counts
 (`pipeline_vs_plain`), so that other work on the machine weighs on both alike; on a shared
 2-core machine single runs of either side spread by 15 % or more, so the median of the
 alternating pairs' ratios is printed beside it (`pipeline_vs_plain_median`). Prints one JSON
 line::
 
-    python -m benchmarks.sft_throughput [--steps 60] [--gpus 2] [--repeats 5]
+    python -m benchmarks.sft_throughput [--steps 60] [--gpus 2] [--repeats 5] [--busy-core]
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -315,12 +322,31 @@ def compare(
     }
 
 
+@contextlib.contextmanager
+def busy_core(on: bool) -> Iterator[None]:
+    """With `on`, a process spinning on one core for as long as the context lasts."""
+    if not on:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per side")
     parser.add_argument("--gpus", type=int, default=2, help="ranks per side")
     parser.add_argument(
         "--repeats", type=int, default=5, help="runs per side, alternating; the fastest counts"
+    )
+    parser.add_argument(
+        "--busy-core",
+        action="store_true",
+        help="keep one core busy beside both sides (a loaded or slower machine)",
     )
     parser.add_argument("--plain-rank", help=argparse.SUPPRESS)
     parser.add_argument("--plain-out", help=argparse.SUPPRESS)
@@ -335,7 +361,7 @@ def main() -> None:
         from trainflow.cli import exit_now
 
         exit_now()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, busy_core(args.busy_core):
         result = compare(args.steps, args.gpus, Path(tmp), repeats=args.repeats)
     if result["settings_differ"]:
         raise SystemExit(f"the two sides' Trainer settings differ: {result['settings_differ']}")
@@ -350,6 +376,7 @@ def main() -> None:
                 "ranks": args.gpus,
                 "steps": args.steps,
                 "repeats": args.repeats,
+                "busy_core": args.busy_core,
                 "tokens": ours["tokens"],
                 "pipeline_tokens_per_s": round(ours_tps, 1),
                 "plain_torchrun_tokens_per_s": round(base_tps, 1),
