@@ -1,10 +1,12 @@
 """Cold start: how much of `python -m flows.sft` is training, and where the rest goes.
 
 Runs the command as a user would (a new process, the temporary Prefect server, a SQLite MLflow
-store in a new folder) twice: `fresh` with new Prefect, MLflow and trainflow homes (a first run
-after the install: databases created, data prepared), then `warm` on the same homes (the data
-cached, the databases there). Each output line is time-stamped as it arrives; the stages are
-the intervals between the lines the run prints anyway. Prints one JSON line::
+store in a new folder) three times: `fresh` with new Prefect, MLflow and trainflow homes (a
+first run after the install: databases created, data prepared), then `warm` on the same homes
+(the data cached, the databases there), then `warm_kept_server` with a server kept running on
+that home (`python -m flows.local_server start`, not timed; stopped afterwards). Each output
+line is time-stamped as it arrives; the stages are the intervals between the lines the run
+prints anyway. Prints one JSON line::
 
     python benchmarks/cold_start.py [--pipeline sft] [-- ARGS for the pipeline]
 
@@ -26,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Stage boundaries: the first output line matching each pattern, in the order they happen.
 MARKS = {
-    "server_started": r"Starting temporary server",
+    "server_started": r"Starting temporary server|Using the kept server",
     "flow_began": r"Beginning flow run",
     "data_ready": r"Task run 'prepare-dataset-\w+' - Finished",
     "mlflow_run": r"MLflow run \w+ (started|continuing)",
@@ -114,7 +116,14 @@ def main() -> None:
         env.pop("MLFLOW_TRACKING_URI", None)
         fresh = run_once(opts.pipeline, opts.args, env, root)
         warm = run_once(opts.pipeline, opts.args, env, root)
-    print(json.dumps({"pipeline": opts.pipeline, "args": opts.args, "fresh": fresh, "warm": warm}))
+        server = [sys.executable, "-m", "flows.local_server"]
+        subprocess.run([*server, "start"], env=env, cwd=root, check=True, capture_output=True)
+        try:
+            kept = run_once(opts.pipeline, opts.args, env, root)
+        finally:
+            subprocess.run([*server, "stop"], env=env, cwd=root, check=True, capture_output=True)
+    result = {"fresh": fresh, "warm": warm, "warm_kept_server": kept}
+    print(json.dumps({"pipeline": opts.pipeline, "args": opts.args, **result}))
 
 
 if __name__ == "__main__":

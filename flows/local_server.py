@@ -15,6 +15,13 @@ A server on a new SQLite database first migrates it: about 6 s of the 9 s a firs
 takes to answer on 2 cores. The install migrates one empty database per environment and
 Prefect version (`python -m flows.local_server make-template`, run by `scripts/setup.sh`), and
 a server whose database file does not exist yet starts on a copy of it.
+
+A server can also be kept running between runs, owned by the user: `python -m
+flows.local_server start` starts one on this `PREFECT_HOME` (with its UI), `stop` stops it and
+`status` says where it is. Runs without `PREFECT_API_URL` then use it instead of starting
+their own, which saves the server's start (its imports: about 3.5 s of a core) and its stop
+on every run, and its UI shows every run since. Nothing starts one behind the user's back:
+without `start`, each run has its temporary server, gone when the run ends.
 """
 
 import contextlib
@@ -32,10 +39,12 @@ from pathlib import Path
 from typing import Any
 
 import prefect
+import psutil
 from prefect.logging import get_logger
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
 from trainflow.compat import prefect as prefect_compat
+from trainflow.launch.processes import stop_process_group
 
 STOP_WAIT_S = 10.0
 STARTUP_TIMEOUT_S = 90.0  # unless PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is set
@@ -269,6 +278,13 @@ def starting_prefect_server() -> Iterator[Callable[[], str | None]]:
     if settings.api.url or not settings.server.ephemeral.enabled:
         yield lambda: settings.api.url
         return
+    kept = kept_server_url(Path(settings.home))
+    if kept is not None:
+        logger.info("Using the kept server on %s", kept.removesuffix("/api"))
+        with _pointed_at(kept, run_settings(settings)):
+            yield lambda: kept
+            _flush_to_server()
+        return
     timeout_s = _startup_timeout_s(settings)
     old_env = os.environ.get("PREFECT_API_URL")
     server = _Starting(Path(settings.home), timeout_s)
@@ -301,6 +317,137 @@ def starting_prefect_server() -> Iterator[Callable[[], str | None]]:
         else:
             os.environ["PREFECT_API_URL"] = old_env
         server.stop()
+
+
+@contextlib.contextmanager
+def _pointed_at(url: str, updates: dict[str, Any]) -> Iterator[None]:
+    """This process (its settings and `PREFECT_API_URL`, for the processes it starts) pointed
+    at the server on `url` for as long as the context lasts."""
+    old_env = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = url
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: url, **updates}):
+            yield
+    finally:
+        if old_env is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = old_env
+
+
+KEPT_STATE = "trainflow-server.json"
+KEPT_LOG = "trainflow-server.log"
+
+
+def _kept_process(home: Path) -> tuple[psutil.Process, str] | None:
+    """The kept server's process on `home` and its API URL, if `start` left one that runs (the
+    same process: its start time is the recorded one, so a reused PID is never taken for it)."""
+    import json
+
+    try:
+        state = json.loads((home / KEPT_STATE).read_text())
+        proc = psutil.Process(int(state["pid"]))
+        if abs(proc.create_time() - float(state["create_time"])) > 0.01:
+            return None
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc, str(state["url"])
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return None
+
+
+def _answers(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def kept_server_url(home: Path) -> str | None:
+    """The API URL of the server `start` keeps running on `home`, if it runs and answers."""
+    found = _kept_process(home)
+    if found is None or not _answers(found[1]):
+        return None
+    return found[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def start_kept_server(home: Path, port: int | None = None, ui: bool = True) -> str:
+    """Start a Prefect server on `home` that outlives this process, on 127.0.0.1; its API URL.
+
+    It runs in a session of its own (a terminal's Ctrl-C never reaches it), logs to
+    `home/trainflow-server.log`, and is recorded in `home/trainflow-server.json` (PID and start
+    time) for `stop`. A server already kept on `home` is left as it is.
+
+    Raises:
+        ValueError: `port` is taken (a usage error: name another).
+        RuntimeError: the server exited or did not answer within its startup timeout.
+    """
+    import json
+
+    running = kept_server_url(home)
+    if running is not None:
+        return running
+    settings = get_current_settings()
+    timeout_s = _startup_timeout_s(settings)
+    with _start_lock(home, timeout_s):
+        if port is None:  # Prefect's own port when it is free, as `prefect server start`
+            preferred = int(settings.server.api.port)
+            port = preferred if _port_free(preferred) else _free_port()
+        if not _port_free(port):
+            raise ValueError(f"--port: {port} is taken on 127.0.0.1; name another")
+        url = settings.server.database.connection_url
+        if url is not None:
+            seed_database(url.get_secret_value(), database_template())
+        env = {
+            **_server_env(),
+            "PREFECT_UI_ENABLED": "1" if ui else "0",
+            "PREFECT_SERVER_API_HOST": "127.0.0.1",
+            "PREFECT_SERVER_API_PORT": str(port),
+            "PREFECT__SERVER_FINAL": "1",  # as `prefect server start` runs its server
+        }
+        env.pop("PREFECT__SERVER_EPHEMERAL", None)
+        api = f"http://127.0.0.1:{port}/api"
+        with (home / KEPT_LOG).open("ab") as log:
+            server = subprocess.Popen(
+                _server_command(port),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        proc = psutil.Process(server.pid)
+        state = {"pid": server.pid, "create_time": proc.create_time(), "url": api}
+        (home / KEPT_STATE).write_text(json.dumps(state))
+        deadline = time.monotonic() + timeout_s
+        while not _answers(api, timeout_s=1.0):
+            if server.poll() is not None or time.monotonic() > deadline:
+                stop_kept_server(home)
+                raise RuntimeError(
+                    f"the Prefect server did not start on {api}; see {home / KEPT_LOG}"
+                )
+            time.sleep(0.1)
+    return api
+
+
+def stop_kept_server(home: Path) -> bool:
+    """Stop the server kept on `home` (its whole process group); whether one was running."""
+    found = _kept_process(home)
+    (home / KEPT_STATE).unlink(missing_ok=True)
+    if found is None:
+        return False
+    stop_process_group(found[0].pid, STOP_WAIT_S)
+    return True
 
 
 class _Starting:
@@ -366,19 +513,57 @@ class _Starting:
             stop_server(self.guard)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """`python -m flows.local_server make-template | start | stop | status`."""
     import argparse
 
     parser = argparse.ArgumentParser(
         prog="python -m flows.local_server",
-        description="make-template: migrate the empty Prefect database that temporary servers "
-        "on a new home start from, and build MLflow's map of installed packages that rank 0 "
-        "reads when it logs a model (scripts/setup.sh runs it once per environment).",
+        description="The Prefect server of `python -m flows.<name>` runs without "
+        "PREFECT_API_URL. make-template: migrate the empty Prefect database that servers on a "
+        "new home start from, and build MLflow's map of installed packages that rank 0 reads "
+        "when it logs a model (scripts/setup.sh runs it once per environment). start: keep a "
+        "server (and its UI) running on this PREFECT_HOME for the runs to use instead of "
+        "starting their own; stop: stop it; status: where it runs (exit 3 if it does not).",
     )
-    parser.add_argument("command", choices=["make-template"])
-    parser.parse_args()
-    print(f"Prefect database template: {make_database_template()}")
-    from trainflow.tracking import package_map_file, warm_model_logging
+    parser.add_argument("command", choices=["make-template", "start", "stop", "status"])
+    parser.add_argument(
+        "--port", type=int, help="start: the port (default: Prefect's 4200 if free, else any)"
+    )
+    parser.add_argument("--no-ui", action="store_true", help="start: without the UI")
+    args = parser.parse_args(argv)
+    home = Path(get_current_settings().home)
+    if args.command == "make-template":
+        print(f"Prefect database template: {make_database_template()}")
+        from trainflow.tracking import package_map_file, warm_model_logging
 
-    warm_model_logging()
-    print(f"MLflow's map of installed packages: {package_map_file()}")
+        warm_model_logging()
+        print(f"MLflow's map of installed packages: {package_map_file()}")
+        return 0
+    if args.command == "stop":
+        stopped = stop_kept_server(home)
+        print("stopped the kept server" if stopped else f"no server is kept on {home}")
+        return 0
+    if args.command == "status":
+        url = kept_server_url(home)
+        if url is None:
+            print(f"no server is kept on {home}")
+            return 3
+        print(f"kept server: {url.removesuffix('/api')} (API {url}; log {home / KEPT_LOG})")
+        return 0
+    if get_current_settings().api.url:
+        parser.error("PREFECT_API_URL is set: runs use that server, not one kept here")
+    if args.port is not None and not 0 < args.port < 65536:
+        parser.error(f"--port: {args.port} is not a port number")
+    try:
+        url = start_kept_server(home, args.port, ui=not args.no_ui)
+    except ValueError as exc:
+        parser.error(str(exc))
+    where = url.removesuffix("/api")
+    print(f"kept server: {where}{'' if args.no_ui else ' (UI)'}; API {url}; log {home / KEPT_LOG}")
+    print("runs without PREFECT_API_URL use it; `python -m flows.local_server stop` stops it")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
