@@ -408,14 +408,14 @@ def start_kept_server(home: Path, port: int | None = None, ui: bool = True) -> s
         url = settings.server.database.connection_url
         if url is not None:
             seed_database(url.get_secret_value(), database_template())
-        env = {
-            **_server_env(),
-            "PREFECT_UI_ENABLED": "1" if ui else "0",
-            "PREFECT_SERVER_API_HOST": "127.0.0.1",
-            "PREFECT_SERVER_API_PORT": str(port),
-            "PREFECT__SERVER_FINAL": "1",  # as `prefect server start` runs its server
-        }
-        env.pop("PREFECT__SERVER_EPHEMERAL", None)
+        env = prefect_compat.kept_server_env(
+            {
+                **_server_env(),
+                "PREFECT_UI_ENABLED": "1" if ui else "0",
+                "PREFECT_SERVER_API_HOST": "127.0.0.1",
+                "PREFECT_SERVER_API_PORT": str(port),
+            }
+        )
         api = f"http://127.0.0.1:{port}/api"
         with (home / KEPT_LOG).open("ab") as log:
             server = subprocess.Popen(

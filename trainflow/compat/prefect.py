@@ -38,3 +38,11 @@ def temporary_server_env() -> dict[str, str]:
     check(SERVER_APP)
     check(PRIVATE_SERVER_SETTINGS)
     return {"PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+
+
+def kept_server_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` (a temporary server's) as `prefect server start` runs its server: not ephemeral."""
+    check(SERVER_APP)
+    check(PRIVATE_SERVER_SETTINGS)
+    kept = {k: v for k, v in env.items() if k != "PREFECT__SERVER_EPHEMERAL"}
+    return {**kept, "PREFECT__SERVER_FINAL": "1"}
