@@ -94,9 +94,11 @@ def test_pipeline_registers_with_lineage_and_gates_the_alias(
     # The meter counted the non-padding tokens of all ranks over its 20 steps, as TRL did.
     window_s = m["eff_step_time_s"] * 20
     assert m["eff_tokens_per_s"] * window_s == pytest.approx(m["train_num_tokens"])
-    # The meter's window (first step to last) sits inside the Trainer's run, give or take the
-    # hooks around the last step (clocks read at different points; seen 4.5 % over when loaded).
-    assert 0 < window_s <= m["train_runtime"] * 1.25
+    # The meter's window (first batch to last step) sits inside the Trainer's run, give or take
+    # where the ranks' clocks are read: the window is the slowest rank's, the runtime rank 0's,
+    # and under a loaded CI the ranks reach their first batch apart (seen 27-29 % over with
+    # DeepSpeed and LoRA when loaded, 4.5 % otherwise).
+    assert 0 < window_s <= m["train_runtime"] * 1.5
     assert "system/cpu_utilization_percentage" in run.data.metrics
 
 
