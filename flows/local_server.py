@@ -196,12 +196,8 @@ def _wait_healthy(url: str, guard: subprocess.Popen, timeout_s: float) -> bool:
     while time.monotonic() < deadline:
         if guard.poll() is not None:
             return False
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return True
-        except OSError:
-            pass
+        if _answers(url):
+            return True
         time.sleep(0.1)
     raise RuntimeError(
         f"the temporary Prefect server on {url} did not answer within {timeout_s:g}s "

@@ -49,6 +49,17 @@ def _server(home: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _run_a_flow(home: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", RUN_A_FLOW],
+        cwd=REPO_ROOT,
+        env=_env(home),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,14 +87,7 @@ def test_runs_use_the_kept_server_until_it_is_stopped(tmp_path):
         assert status.returncode == 0 and url in status.stdout
 
         for _ in range(2):
-            run = subprocess.run(
-                [sys.executable, "-c", RUN_A_FLOW],
-                cwd=REPO_ROOT,
-                env=_env(home),
-                capture_output=True,
-                text=True,
-                timeout=180,
-            )
+            run = _run_a_flow(home)
             assert run.returncode == 0, run.stderr[-3000:]
             assert f"URL {url}" in run.stdout and "FLOW ran" in run.stdout
             assert "Starting temporary server" not in run.stderr
@@ -99,14 +103,7 @@ def test_runs_use_the_kept_server_until_it_is_stopped(tmp_path):
     gone = _server(home, "status")
     assert gone.returncode == 3 and "no server is kept" in gone.stdout
     # Without a kept server, a run starts its own temporary one again.
-    run = subprocess.run(
-        [sys.executable, "-c", RUN_A_FLOW],
-        cwd=REPO_ROOT,
-        env=_env(home),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    run = _run_a_flow(home)
     assert run.returncode == 0 and "Starting temporary server" in run.stderr, run.stderr[-3000:]
 
 
