@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from mlflow.exceptions import MlflowException
@@ -57,3 +58,21 @@ def test_ending_a_run_after_the_sink_finds_mlflows_async_queue_unused():
     ).stdout
     assert "mlflow-sink" in out
     assert "MLflowAsyncLoggingLoop" not in out
+
+
+def test_logs_in_quick_succession_are_stored_together_after_the_first():
+    """The first `log` is written at once; those within `interval_s` of a write wait for the
+    next one (or a flush), so short steps cost one store transaction per interval."""
+    run_id = _run_id()
+    client = tracking.store_client()
+    sink = tracking.MlflowSink(run_id, interval_s=60.0)
+    sink.log(1, {"loss": 1.0})
+    deadline = time.monotonic() + 30
+    while not client.get_metric_history(run_id, "loss") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for step in (2, 3):
+        sink.log(step, {"loss": 1.0 / step})
+    time.sleep(1.0)
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1]
+    sink.flush()  # writes at once, without waiting out the interval
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2, 3]

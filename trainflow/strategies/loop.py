@@ -227,6 +227,9 @@ def fit(
             progress.update(step)
         stop = runtime.should_stop()
         if schedule.should_checkpoint(step) or (stop and schedule.checkpoint_every > 0):
+            # What was logged up to this step is stored before the checkpoint can be resumed
+            # from: a resumed run logs from the next step on, so a kill now leaves no gap.
+            sink.flush()
             path = checkpoint.checkpoint_path(checkpoint_root, step)
             background = schedule.async_checkpoints and not stop and step < schedule.num_steps
             strategy.save(path, step, keep=schedule.keep_checkpoints, background=background)

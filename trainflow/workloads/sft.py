@@ -285,6 +285,12 @@ class ProgressCallback(TrainerCallback):
             self.progress.update(state.global_step)
         self.logging_s += time.perf_counter() - started
 
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Before `DurableCallback` marks the checkpoint (it comes later in the callbacks): a
+        # run resumed from it logs from the next step on, so what was logged up to it must be
+        # stored, or a kill now would leave a gap in the run's metrics.
+        self.sink.flush()
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.sink.flush()
         self.progress.update(state.global_step)
