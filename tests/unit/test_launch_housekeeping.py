@@ -64,23 +64,36 @@ def test_progress_bars_arrive_as_their_newest_redraw_then_their_final_state(tmp_
     log = rd.log_path(0)
     lines: list[tuple[int, str]] = []
     tail = logs.LogTail(rd, lambda rank, line: lines.append((rank, line)))
-    clock = iter([100.0, 100.5, 103.0])
-    monkeypatch.setattr(logs.time, "monotonic", lambda: next(clock))
+    now = [100.0]
+    monkeypatch.setattr(logs.time, "monotonic", lambda: now[0])
 
-    def write(text: str) -> None:
+    def write(text: str, at: float) -> None:
+        now[0] = at
         with open(log, "a") as f:
             f.write(text)
         tail.poll()
 
-    write("loading\n 10%|#  | 1/10\r 20%|## | 2/10\r 30%")
+    write("loading\n 10%|#  | 1/10\r 20%|## | 2/10\r 30%", 100.0)
     assert lines == [(0, "loading"), (0, " 20%|## | 2/10")]  # the newest complete redraw
-    write("|###| 3/10\r 40%|####| 4/10\r")
+    write("|###| 3/10\r 40%|####| 4/10\r", 100.5)
     assert len(lines) == 2  # within PROGRESS_EVERY_S of the last one: held back
-    write(" 50%|#####| 5/10\r")
+    write(" 50%|#####| 5/10\r", 103.0)
     assert lines[-1] == (0, " 50%|#####| 5/10")
-    write("100%|##########| 10/10\n")
+    write("100%|##########| 10/10\n", 103.5)
     assert lines[-1] == (0, "100%|##########| 10/10")  # the bar's final state, whole
     assert all("\r" not in line for _, line in lines)
+
+
+def test_a_poll_says_whether_anything_was_written_and_finds_a_log_that_appears_later(tmp_path):
+    rd = RunDir(tmp_path)
+    rd.logs.mkdir()
+    lines: list[tuple[int, str]] = []
+    tail = logs.LogTail(rd, lambda rank, line: lines.append((rank, line)))
+    assert tail.poll() is False  # no log yet
+    rd.log_path(1).write_text("hello\n")
+    assert tail.poll(final=True) is True  # the final poll lists the folder again
+    assert tail.poll() is False  # nothing new
+    assert lines == [(1, "hello")]
 
 
 def test_stopping_a_failed_attempt_spares_the_ranks_of_the_next_one(tmp_path):

@@ -1,6 +1,7 @@
 """Rank output for the caller: every rank's log file followed line by line."""
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -9,6 +10,8 @@ from trainflow.launch.spec import LineSink
 
 # A progress bar redrawn in place is passed on at most this often per rank.
 PROGRESS_EVERY_S = 2.0
+# The run folder is listed for new rank logs (ranks starting, a restart) at most this often.
+LIST_EVERY_S = 1.0
 
 
 def print_line(rank: int, line: str) -> None:
@@ -16,7 +19,12 @@ def print_line(rank: int, line: str) -> None:
 
 
 class LogTail:
-    """Follows the per-rank log files and hands out complete lines."""
+    """Follows the per-rank log files and hands out complete lines.
+
+    A poll costs the caller a `stat` per rank log when nothing was written (the folder is
+    listed again every `LIST_EVERY_S`, and on the final poll): the caller polls several times
+    a second on the cores the ranks train on.
+    """
 
     def __init__(self, rd: RunDir, sink: LineSink):
         self.rd = rd
@@ -24,15 +32,29 @@ class LogTail:
         self.offsets: dict[int, int] = {}
         self.partial: dict[int, bytes] = {}
         self.progress_at: dict[int, float] = {}
+        self._files: dict[int, Path] = {}
+        self._listed_at = -math.inf
 
-    def poll(self, final: bool = False) -> None:
-        for rank, path in self.rd.log_files().items():
+    def _log_files(self, final: bool) -> dict[int, Path]:
+        now = time.monotonic()
+        if final or now - self._listed_at >= LIST_EVERY_S:
+            self._files, self._listed_at = self.rd.log_files(), now
+        return self._files
+
+    def poll(self, final: bool = False) -> bool:
+        """Hand out the lines written since the last poll; whether anything was written."""
+        written = False
+        for rank, path in self._log_files(final).items():
+            offset = self.offsets.get(rank, 0)
             try:
+                if os.stat(path).st_size == offset and not final:
+                    continue
                 with open(path, "rb") as f:
-                    f.seek(self.offsets.get(rank, 0))
+                    f.seek(offset)
                     chunk = f.read()
             except FileNotFoundError:
                 continue
+            written = written or bool(chunk)
             if not chunk and not (final and self.partial.get(rank)):
                 continue
             self.offsets[rank] = self.offsets.get(rank, 0) + len(chunk)
@@ -49,6 +71,7 @@ class LogTail:
                 rest = self._progress(rank, rest)
                 if rest:
                     self.partial[rank] = rest
+        return written
 
     def _progress(self, rank: int, rest: bytes) -> bytes:
         """Pass on a progress bar's newest complete redraw, at most every `PROGRESS_EVERY_S`.

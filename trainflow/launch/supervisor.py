@@ -36,6 +36,9 @@ FAILURE_GRACE_S = 5.0
 LOST_RANK_GRACE_S = 1.0
 # How often the run folder is read for deaths, heartbeats and the stop file.
 WATCH_EVERY_S = 0.25
+# How often the launch is looked at: right after rank output, and at most while none comes.
+POLL_S = 0.05
+QUIET_POLL_S = 0.2
 
 
 class Supervisor:
@@ -128,9 +131,12 @@ class Supervisor:
             else None
         )
         next_watch = 0.0
+        pause = POLL_S
         try:
             while self.proc.poll() is None:
-                self.tail.poll()
+                # Right after output, look again soon; while the ranks are quiet, less often
+                # (this loop shares the cores the ranks train on).
+                pause = POLL_S if self.tail.poll() else min(pause * 2, QUIET_POLL_S)
                 now = time.monotonic()
                 watch = now >= next_watch
                 if watch:
@@ -138,7 +144,7 @@ class Supervisor:
                 done, verdict = self._check(now, watch, deadline, watchdog)
                 if done:
                     return verdict
-                time.sleep(0.05)
+                time.sleep(pause)
             return None
         finally:
             self.tail.poll()
