@@ -5,7 +5,6 @@ is interrupted."""
 import contextlib
 import os
 import pickle
-import select
 import signal
 import subprocess
 import time
@@ -48,7 +47,6 @@ class Supervisor:
     def __init__(self, case: LaunchCase, proc: subprocess.Popen, tail: LogTail):
         self.case = case
         self.proc = proc
-        self._pidfd: int | None = None  # readable once the agent has exited
         self.pgid = proc.pid  # the agent leads its own session, ranks included
         self.tail = tail
         self.failed_at: float | None = None  # first sign of a failed rank: an error, a death
@@ -67,9 +65,6 @@ class Supervisor:
             self.stop_gracefully()
             raise
         finally:
-            if self._pidfd is not None and self._pidfd >= 0:
-                os.close(self._pidfd)
-                self._pidfd = -1
             # Hung ranks cannot act on SIGTERM: no grace for them.
             grace = 0.0 if isinstance(verdict, HangError) else SHUTDOWN_GRACE_S
             stop_process_group(self.pgid, grace)
@@ -149,22 +144,10 @@ class Supervisor:
                 done, verdict = self._check(now, watch, deadline, watchdog)
                 if done:
                     return verdict
-                self._pause(pause)
+                time.sleep(pause)
             return None
         finally:
             self.tail.poll()
-
-    def _pause(self, seconds: float) -> None:
-        """Sleep `seconds`, or less if the agent exits first (where the system can tell:
-        a pidfd, Linux 5.3 and later)."""
-        if self._pidfd is None:
-            with contextlib.suppress(OSError, AttributeError):
-                self._pidfd = os.pidfd_open(self.proc.pid)
-        if self._pidfd is None or self._pidfd < 0:
-            self._pidfd = -1
-            time.sleep(seconds)
-            return
-        select.select([self._pidfd], [], [], seconds)
 
     def _check(
         self, now: float, watch: bool, deadline: float | None, watchdog: Watchdog | None
