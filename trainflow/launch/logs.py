@@ -57,7 +57,7 @@ class LogTail:
             written = written or bool(chunk)
             if not chunk and not (final and self.partial.get(rank)):
                 continue
-            self.offsets[rank] = self.offsets.get(rank, 0) + len(chunk)
+            self.offsets[rank] = offset + len(chunk)
             data = self.partial.pop(rank, b"") + chunk
             *lines, rest = data.split(b"\n")
             if final and rest:
