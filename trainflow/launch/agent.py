@@ -28,7 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainflow.compat import stdlib
 from trainflow.compat import torch as compat_torch
-from trainflow.launch import worker
+from trainflow.launch import temp, worker
 from trainflow.launch.listen import elastic_store_server, node_address
 from trainflow.launch.run_dir import RunDir
 from trainflow.launch.spec import AGENT_PID_ENV, LaunchSpec, LaunchSpecError
@@ -72,6 +72,8 @@ def _stop_descendants(grace_s: float = 3.0) -> None:
 _run_dir: RunDir | None = None
 # The standby log of an agent started ahead, until a launch claims it (`standby`).
 _early_log: Path | None = None
+# The ranks' temp folder, once made (`trainflow.launch.temp`).
+_ranks_temp: Path | None = None
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -84,6 +86,7 @@ def _exit_with_parent(parent_pid: int) -> None:
             if _early_log is not None:
                 _early_log.unlink(missing_ok=True)  # a standby agent no launch claimed
             _stop_descendants(grace_s=0)  # as if the machine were lost: no final checkpoint
+            temp.remove_ranks_temp(_ranks_temp)
             os.killpg(os.getpgrp(), signal.SIGKILL)
         time.sleep(0.5)
 
@@ -263,6 +266,17 @@ def _launch_config(spec: LaunchSpec, rd: RunDir) -> LaunchConfig:
     return config
 
 
+def _use_ranks_temp(rd: RunDir) -> None:
+    """Give the ranks (and everything they start) a temp folder of their own for this launch,
+    removed when they have ended: what they leave there, in any way they end, goes with it."""
+    global _ranks_temp
+    tempfile.tempdir = None  # the temp folder the caller's environment names
+    system = tempfile.gettempdir()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", temp.inductor_cache_default(system))
+    _ranks_temp = temp.make_ranks_temp(system, rd.ranks_temp)
+    os.environ["TMPDIR"] = str(_ranks_temp)
+
+
 def main(run_dir: str, watching: bool = False) -> int:
     global _run_dir
     rd = _run_dir = RunDir(Path(run_dir))
@@ -276,9 +290,10 @@ def main(run_dir: str, watching: bool = False) -> int:
         threading.Thread(target=_exit_with_parent, args=(spec.caller_pid,), daemon=True).start()
     compat_torch.stop_workers_with_sigkill()
     compat_torch.name_rendezvous_events_cheaply()
+    _use_ranks_temp(rd)
     # torch's process starter gives each rank a `pytorch-errorfile-*.pickle` in the temp folder
-    # for its traceback and never removes it: keep those with this launch's logs. Ranks go back
-    # to the system's temp folder (`worker._reset_process_state`).
+    # for its traceback and never removes it: keep those with this launch's logs. Ranks use
+    # their own (`worker._reset_process_state`).
     tempfile.tempdir = str(rd.elastic_tmp)
     rd.elastic_tmp.mkdir(parents=True, exist_ok=True)
 
@@ -295,6 +310,7 @@ def main(run_dir: str, watching: bool = False) -> int:
         return 128 + int(exc.sigval)
     finally:
         _stop_descendants()  # whatever the ranks started, in any session, ends with them
+        temp.remove_ranks_temp(_ranks_temp)  # and what they left in their temp folder
         rd.payload.unlink(missing_ok=True)  # the function and its arguments: no longer needed
     return 0
 

@@ -16,7 +16,7 @@ from datetime import datetime
 from trainflow.compat.adaptations import read_adaptations
 from trainflow.data.shm import release_streaming_state_since, streaming_prefixes
 from trainflow.errors import LaunchConfigError
-from trainflow.launch import standby
+from trainflow.launch import standby, temp
 from trainflow.launch.environment import (
     check_interpreter,
     interpreter,
@@ -101,6 +101,7 @@ class LocalLaunch:
         self._announce(shipment.name, rd, res)
         case = LaunchCase(shipment.name, opts, rd, res, shipment.shipped)
         streams_before = streaming_prefixes()
+        proc = None
         try:
             key = standby.AgentKey(env, spec.start_method, python)
             proc = standby.claim(key, rd) or self._start_agent(rd, python, env)
@@ -118,6 +119,8 @@ class LocalLaunch:
                     "; ".join(adapted),
                 )
             rd.discard_payloads()  # on every path, Ctrl-C included
+            if proc is None or proc.poll() is not None:  # the agent was killed: its share
+                temp.remove_recorded_ranks_temp(rd.ranks_temp)
             # Every process of the launch has ended: the data streams' shared memory its
             # ranks left (stopped mid-epoch by a hang, a failure, Ctrl-C) goes too.
             release_streaming_state_since(streams_before)

@@ -114,6 +114,12 @@ class RunDir:
         return self.path / "elastic" / "tmp"
 
     @property
+    def ranks_temp(self) -> Path:
+        """Holds the path of the ranks' temp folder on this node (`trainflow.launch.temp`), for
+        the caller to remove if the agent could not (it was killed)."""
+        return self.path / "ranks_temp"
+
+    @property
     def results(self) -> Path:
         return self.path / "results"
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from trainflow.launch import temp
 from trainflow.launch.processes import kill_process_group
 from trainflow.launch.run_dir import RunDir
 
@@ -49,8 +50,10 @@ class _StandbyAgent:
         self.key = key
         self.calls = list(calls)
         # Its output until a launch claims it (then it goes to that launch's agent log): in
-        # the temp folder, as no launch folder exists yet.
-        fd, log_path = tempfile.mkstemp(prefix=f"trainflow-standby-{os.getpid()}-", suffix=".log")
+        # the temp folder, as no launch folder exists yet. Those of callers that died with
+        # their agents (both SIGKILLed) are cleared first.
+        temp.remove_left_by_dead(temp.STANDBY_PREFIX)
+        fd, log_path = tempfile.mkstemp(prefix=temp.own_prefix(temp.STANDBY_PREFIX), suffix=".log")
         os.close(fd)
         self.log = Path(log_path)
         read_end, write_end = os.pipe()

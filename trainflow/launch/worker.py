@@ -163,7 +163,7 @@ def _reset_process_state() -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    tempfile.tempdir = None  # the system's again, not the agent's folder in the run directory
+    tempfile.tempdir = None  # TMPDIR again: the launch's folder for its ranks, not the agent's
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
