@@ -38,6 +38,7 @@ def via_torchrun(steps: int) -> tuple[float, float]:
                 "-m",
                 "torch.distributed.run",
                 "--standalone",
+                f"--log-dir={Path(tmp) / 'torchrun'}",  # not a folder left in /tmp
                 "--nproc-per-node",
                 "2",
                 str(REPO / "benchmarks" / "ddp_job.py"),

@@ -249,6 +249,7 @@ def plain_step(
     """The same training in a plain script under `torchrun`."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        + [f"--log-dir={out / 'torchrun'}"]  # not a `torchelastic_*` folder left in /tmp
         + [f"--nproc-per-node={gpus}", "-m", "benchmarks.sft_throughput"]
         + ["--plain-rank", str(rows_file), "--plain-out", str(out), "--steps", str(steps)]
         + (["--dump-first-batch"] if dump_first_batch else []),

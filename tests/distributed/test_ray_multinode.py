@@ -9,6 +9,8 @@ which would stop every Ray process on the machine), and the test checks they are
 import contextlib
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -43,6 +45,11 @@ def _node_pids(node) -> list[int]:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    # Ray's session folders (logs, sockets) otherwise stay in /tmp/ray after it stops: give it
+    # a folder of its own (short, for its socket paths) and remove it after.
+    old_temp = os.environ.get("RAY_TMPDIR")
+    ray_temp = tempfile.mkdtemp(prefix="ray-")
+    os.environ["RAY_TMPDIR"] = ray_temp
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
     )
@@ -63,6 +70,11 @@ def ray_cluster():
             os.environ.pop("RAY_ADDRESS", None)
         else:
             os.environ["RAY_ADDRESS"] = old
+        if old_temp is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old_temp
+        shutil.rmtree(ray_temp, ignore_errors=True)
         alive = [pid for pid in set(started) if psutil.pid_exists(pid)]
         alive = [p for p in alive if psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         assert not alive, f"Ray processes left running: {alive}"

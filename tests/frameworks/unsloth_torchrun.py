@@ -23,6 +23,7 @@ def run_tiny_config(
         [
             str(VENV_BIN / "torchrun"),
             *("--nproc_per_node", str(nproc), "--rdzv-backend", "c10d"),
+            *("--log-dir", str(tmp_path / "torchrun")),  # torchrun's own: not in /tmp
             *("--rdzv-endpoint", "localhost:0", "-m", "trainflow.frameworks.unsloth"),
             str(u.TINY_CONFIG),
             *("--overrides", json.dumps(overrides), "--result-dir", str(tmp_path / "results")),
