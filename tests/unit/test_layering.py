@@ -129,6 +129,7 @@ def test_the_cycle_check_finds_a_loop():
 LAUNCH_LAYERS = [
     {"spec", "plan"},
     {"guard", "ship", "run_dir", "processes", "logs", "diagnosis", "environment", "standby"}
+    | {"temp"}
     | {"listen"}
     | {"failures", "worker", "agent", "supervisor"},
     {"local", "ray_placement", "ray_gang", "board", "follower", "prefect_adapter", "backends"},
