@@ -66,8 +66,8 @@ def run(name: str) -> NoReturn:
 
 def _deep_check(spec: PipelineSpec) -> Any:
     """Start the training launch's agent (it imports the workload for the ranks meanwhile),
-    then load the workload here and import `spec.preload`. (The pipeline's checks ran before
-    the server started.)"""
+    then load the workload here, import `spec.preload` and open the MLflow store if it exists.
+    (The pipeline's checks ran before the server started.)"""
 
     def check(config: Any) -> None:
         if spec.workload is not None:
@@ -75,6 +75,9 @@ def _deep_check(spec: PipelineSpec) -> Any:
             spec.workload.load()  # what the flow's process runs once training is done
         for name in spec.preload:
             importlib.import_module(name)
+        from trainflow import tracking
+
+        tracking.open_store_ahead()  # while the server starts
 
     return check
 

@@ -84,6 +84,18 @@ def store_client() -> Any:
     return client
 
 
+def open_store_ahead() -> None:
+    """Open the configured store now if it is a SQLite file that exists: what the run's first
+    MLflow call would do (MLflow checks the schema against its migrations, a few tenths of a
+    second of a core), for a pipeline's process to do while it waits for its checks. A store
+    not made yet is left to the run, as is any error (the run meets it, and says so)."""
+    db = _sqlite_path(tracking_uri())
+    if db is None or not db.is_file():
+        return
+    with contextlib.suppress(Exception):
+        store_client()
+
+
 class MetricsSink(Protocol):
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
 

@@ -202,3 +202,23 @@ def test_ranks_preempted_on_their_own_end_the_run_killed_not_failed():
 
     assert is_stop(rank_error("trainflow.errors.Preempted"))
     assert not is_stop(rank_error("builtins.ValueError"))
+
+
+def test_a_store_is_opened_ahead_only_if_it_exists(tmp_path, monkeypatch):
+    missing = tmp_path / "new" / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{missing}")
+    tracking.open_store_ahead()
+    assert not missing.parent.exists(), "a store not made yet is left to the run"
+
+    broken = tmp_path / "broken.db"
+    broken.write_bytes(b"not a database")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{broken}")
+    tracking.open_store_ahead()  # the run meets the error, not the check
+    assert tracking.tracking_uri() not in tracking._READY
+
+    made = tmp_path / "made.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{made}")
+    tracking.store_client()  # an earlier run made it
+    tracking._READY.discard(tracking.tracking_uri())
+    tracking.open_store_ahead()
+    assert tracking.tracking_uri() in tracking._READY

@@ -61,6 +61,7 @@ def deep_check(config: SFTConfig) -> None:
     ahead = start_agent(config)
     for name in WHILE_WAITING:
         importlib.import_module(name)
+    tracking.open_store_ahead()
 
     outcome = ahead.check_outcome()
     if outcome is None:
