@@ -103,6 +103,26 @@ def test_an_epoch_left_early_stops_its_thread(clicks):
     assert loader.state_dict()["sample_in_epoch"] == 8
 
 
+def test_leaving_an_epoch_does_not_wait_for_the_threads_next_look(clicks, monkeypatch):
+    from trainflow.data import loader as loader_module
+
+    # The thread, waiting for room in the full queue, would look whether it was closed only
+    # after this long; leaving the epoch must not wait for that.
+    monkeypatch.setattr(loader_module._ReadAhead, "_POLL_S", 60.0)
+    collate = CountingCollate()
+    loader = build_dataloader(
+        clicks.uri, "train", LoaderConfig(batch_size=8, prefetch=2), collate_fn=collate
+    )
+    epoch = iter(loader)
+    next(epoch)
+    assert _wait_for(lambda: collate.built >= 4)  # queue full, one more waiting to go in
+    started = time.monotonic()
+    epoch.close()
+    assert time.monotonic() - started < 30.0
+    assert not _read_ahead_threads()
+    assert loader.state_dict()["sample_in_epoch"] == 8
+
+
 def test_without_read_ahead_batches_are_built_when_asked(clicks):
     collate = CountingCollate()
     loader = build_dataloader(

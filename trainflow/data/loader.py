@@ -12,6 +12,7 @@ seed and `num_canonical_nodes` only, so a run resumed on a different number of r
 the same global order. No Prefect here: this runs on every rank.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -108,6 +109,8 @@ class _ReadAhead:
     """
 
     _END = object()
+    # How often a thread waiting for room in the queue looks whether it was closed.
+    _POLL_S = 0.1
 
     def __init__(self, source: Iterator[Any], depth: int) -> None:
         self._items: queue.Queue[tuple[Any, BaseException | None]] = queue.Queue(depth)
@@ -120,7 +123,7 @@ class _ReadAhead:
     def _fill(self, source: Iterator[Any]) -> None:
         try:
             for item in source:
-                if not self._put((item, None)):
+                if not self._put((item, None)) or self._closed.is_set():
                     return
             self._put((self._END, None))
         except BaseException as error:  # handed to the consumer, raised there
@@ -129,7 +132,7 @@ class _ReadAhead:
     def _put(self, entry: tuple[Any, BaseException | None]) -> bool:
         while not self._closed.is_set():
             try:
-                self._items.put(entry, timeout=0.1)
+                self._items.put(entry, timeout=self._POLL_S)
                 return True
             except queue.Full:
                 continue
@@ -146,6 +149,11 @@ class _ReadAhead:
 
     def close(self) -> None:
         self._closed.set()
+        # The thread is most likely waiting for room in the full queue: make room, so that it
+        # stops now rather than at its next look (the Trainer leaves its last epoch inside the
+        # time it reports as `train_runtime`).
+        with contextlib.suppress(queue.Empty):
+            self._items.get_nowait()
         self._thread.join(timeout=5.0)
 
 
