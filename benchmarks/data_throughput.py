@@ -21,8 +21,10 @@ Everything runs in a temporary TRAINFLOW_HOME and PREFECT_HOME.
 """
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -50,6 +52,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20000, help="instruction rows to convert")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="trainflow-bench-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     os.environ["TRAINFLOW_HOME"] = str(scratch / "home")
     os.environ["PREFECT_HOME"] = str(scratch / "prefect")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -83,7 +83,7 @@ def plain(steps: int, rows_file: str, out: str, dump_first_batch: bool) -> None:
     model = build_causal_lm(config.model, tokenizer, seed=t.seed)
     rows = datasets.load_dataset("json", data_files=rows_file, split="train")
     args = SFTConfig(
-        output_dir=tempfile.mkdtemp(),
+        output_dir=tempfile.mkdtemp(dir=out),  # removed with the benchmark's folder
         max_steps=steps,
         per_device_train_batch_size=t.per_device_batch_size,
         gradient_accumulation_steps=t.grad_accum_steps,

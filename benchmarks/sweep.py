@@ -9,8 +9,10 @@ JSON line: both wall times and their ratio (below 1: the sweep is faster).
 """
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -22,6 +24,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="Training steps per trial.")
     args = parser.parse_args()
     home = tempfile.mkdtemp(prefix="sweep-bench-")
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
     os.environ |= {
         "TRAINFLOW_HOME": home,
         "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
