@@ -69,7 +69,13 @@ def log_register_load(model: Any, tokenizer: Any, name: str, scratch: Path) -> d
     )
     logged = time.perf_counter() - started
     started = time.perf_counter()
-    loaded = mlflow.transformers.load_model(f"models:/{name}/{version}", return_type="components")
+    # Into the scratch folder: without `dst_path` MLflow downloads the model to a temporary
+    # folder it never removes.
+    loaded_dir = scratch / "loaded"
+    loaded_dir.mkdir(parents=True, exist_ok=True)
+    loaded = mlflow.transformers.load_model(
+        f"models:/{name}/{version}", dst_path=str(loaded_dir), return_type="components"
+    )
     load_s = time.perf_counter() - started
     theirs = loaded["model"].state_dict()
     mine = model.state_dict()
