@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {size / 1e9:.2f} GB of float32 weights", file=sys.stderr)
     report: dict[str, Any] = {"benchmark": "large_model", "model_gb": round(size / 1e9, 2)}
     scratch = Path(tempfile.mkdtemp(prefix="large-model-"))
+    # MLflow downloads a model's MLmodel file to a temporary folder of its own on every load
+    # from a server, and never removes it: this process's temporary folders go into the
+    # scratch folder, removed at the end.
+    tempfile.tempdir = str(scratch)
     try:
         report["server"] = log_register_load(model, tokenizer, args.name, scratch / "server")
         if not args.server_only:

@@ -145,13 +145,23 @@ def test_a_deployment_runs_on_the_stacks_work_pool_worker(team_stack, stack_env)
 
 
 def test_a_model_of_a_gigabyte_registers_and_loads_back_through_the_server_in_parts(
-    team_stack, stack_env
+    team_stack, stack_env, tmp_path
 ):
     """1.14 GB of float32 weights through the proxied server: multipart upload (MLflow's default
-    single PUT is what fails for users above ~800 MB), registered, loaded back bit-identical."""
+    single PUT is what fails for users above ~800 MB), registered, loaded back bit-identical,
+    and nothing of it left in the temp folder."""
     log = team_stack["dir"] / "logs" / "mlflow.log"
     before = log.read_text(errors="replace").count("/mlflow-artifacts/mpu/complete/")
-    done = _run(stack_env, "benchmarks.large_model", "--server-only", "--name", "big", timeout=500)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    done = _run(
+        {**stack_env, "TMPDIR": str(temp)},
+        *("benchmarks.large_model", "--server-only", "--name", "big"),
+        timeout=500,
+    )
+    # torch's compile cache lives there by design, kept from run to run.
+    left = [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == []
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["model_gb"] >= 1.0
     assert report["server"]["identical"] is True
