@@ -69,13 +69,7 @@ def log_register_load(model: Any, tokenizer: Any, name: str, scratch: Path) -> d
     )
     logged = time.perf_counter() - started
     started = time.perf_counter()
-    # Into the scratch folder: without `dst_path` MLflow downloads the model to a temporary
-    # folder it never removes.
-    loaded_dir = scratch / "loaded"
-    loaded_dir.mkdir(parents=True, exist_ok=True)
-    loaded = mlflow.transformers.load_model(
-        f"models:/{name}/{version}", dst_path=str(loaded_dir), return_type="components"
-    )
+    loaded = mlflow.transformers.load_model(f"models:/{name}/{version}", return_type="components")
     load_s = time.perf_counter() - started
     theirs = loaded["model"].state_dict()
     mine = model.state_dict()
@@ -109,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {size / 1e9:.2f} GB of float32 weights", file=sys.stderr)
     report: dict[str, Any] = {"benchmark": "large_model", "model_gb": round(size / 1e9, 2)}
     scratch = Path(tempfile.mkdtemp(prefix="large-model-"))
-    # MLflow downloads a model's MLmodel file to a temporary folder of its own on every load
-    # from a server, and never removes it: this process's temporary folders go into the
+    # MLflow downloads a model it loads from a server (and, again, its MLmodel file) to
+    # temporary folders it never removes: this process's temporary folders go into the
     # scratch folder, removed at the end.
     tempfile.tempdir = str(scratch)
     try:

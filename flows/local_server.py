@@ -352,9 +352,10 @@ def _kept_process(home: Path) -> tuple[psutil.Process, str] | None:
         return None
 
 
-def _answers(url: str, timeout_s: float = 2.0) -> bool:
+def _answers(url: str, timeout_s: float = 2.0, path: str = "health") -> bool:
+    """Whether the server on API `url` answers `path` with 200."""
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:
+        with urllib.request.urlopen(f"{url}/{path}", timeout=timeout_s) as response:
             return bool(response.status == 200)
     except OSError:
         return False
@@ -433,19 +434,11 @@ def start_kept_server(home: Path, port: int | None = None, ui: bool = True) -> s
                     f"the Prefect server did not start on {api}; see {home / KEPT_LOG}"
                 )
             time.sleep(0.1)
-        _first_request(api)
+        # Ask what every client asks first (the API version): the first API request a Prefect
+        # server answers builds its routes' state, about half a second of a core, which a kept
+        # server then pays here, once, and not in the first run that uses it.
+        _answers(api, timeout_s=30, path="admin/version")
     return api
-
-
-def _first_request(api: str) -> None:
-    """Ask the server what every client asks first (its API version). The first request a
-    Prefect server answers builds its API routes' state: about half a second of a core, which
-    a kept server then pays here, once, and not in the first run that uses it."""
-    with (
-        contextlib.suppress(OSError),
-        urllib.request.urlopen(f"{api}/admin/version", timeout=30) as response,
-    ):
-        response.read()
 
 
 def stop_kept_server(home: Path) -> bool:
