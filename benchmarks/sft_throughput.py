@@ -210,11 +210,9 @@ def pipeline_step(steps: int, gpus: int) -> dict[str, Any]:
 
 def train_rows(uri: str) -> dict[int, dict[str, Any]]:
     """Every row of the prepared train split by sample id, as the pipeline's loader gives it."""
-    from trainflow.data import LoaderConfig, build_dataloader
+    from trainflow.data import read_whole_split
 
-    read_all = LoaderConfig.model_validate({"batch_size": 256, "shuffle": False})
-    loader = build_dataloader(uri, "train", read_all, collate_fn=list)
-    return {int(s["id"]): s for batch in loader for s in batch}
+    return {int(s["id"]): s for s in read_whole_split(uri, "train")}
 
 
 def write_plain_rows(

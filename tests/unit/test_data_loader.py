@@ -1,12 +1,14 @@
 """build_dataloader in one process: order, resume guards, stale shared memory, bad shards, S3."""
 
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.unit.conftest_data import batch_ids, run_python, tabular_config
+from tests.unit.conftest_data import REPO_ROOT, batch_ids, run_python, tabular_config
 from trainflow.data import DataError, LoaderConfig, build_dataloader, prepare_dataset
 from trainflow.data.paths import stream_cache_dir
 from trainflow.data.shm import GRACE_S, SHM_DIR
@@ -132,3 +134,41 @@ def test_s3_output_is_uploaded_cached_and_streamed_back(tmp_path, s3_server):
     assert prepare_dataset(config).cache_hit
     loader = build_dataloader(first.uri, "train", LoaderConfig(batch_size=16))
     assert sorted(_flat(batch_ids(loader))) == list(range(200))
+
+
+_READ_AND_EXIT = """
+import sys, tempfile
+from trainflow.data import LoaderConfig, build_dataloader, read_whole_split
+if sys.argv[2] == "whole":
+    ids = [int(s["id"]) for s in read_whole_split(sys.argv[1], "train", batch_size=64)]
+else:
+    loader = build_dataloader(sys.argv[1], "train", LoaderConfig(batch_size=64, shuffle=False))
+    ids = [int(i) for batch in loader for i in batch["id"]]
+assert ids == list(range(200)), ids
+print(tempfile.gettempdir())
+"""
+
+
+@pytest.mark.parametrize("read", ["loader", "whole"])
+def test_a_process_that_read_a_whole_split_leaves_nothing_in_the_temp_folder(
+    clicks, tmp_path, read
+):
+    # streaming leaves its lock files in the temp folder even when its reader exits cleanly;
+    # the orchestrating process's whole-split reads remove theirs at exit.
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_AND_EXIT, clicks.uri, read],
+        cwd=REPO_ROOT,
+        env={**os.environ, "TMPDIR": str(temp)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(temp)
+    left = sorted(p.name for p in temp.iterdir())
+    if read == "loader":
+        assert left and all(name.endswith("_filelock") for name in left), left
+    else:
+        assert left == []

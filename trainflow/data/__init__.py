@@ -26,7 +26,7 @@ from trainflow.data.config import (
 from trainflow.data.errors import DataError
 
 if TYPE_CHECKING:
-    from trainflow.data.loader import PadCollate, build_dataloader
+    from trainflow.data.loader import PadCollate, build_dataloader, read_whole_split
     from trainflow.data.prepare import (
         dataset_fingerprint,
         dataset_uri,
@@ -41,6 +41,7 @@ _EXPORTS = {
     "dataset_uri": "trainflow.data.prepare",
     "find_published": "trainflow.data.prepare",
     "prepare_dataset": "trainflow.data.prepare",
+    "read_whole_split": "trainflow.data.loader",
 }
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "find_published",
     "load_preset",
     "prepare_dataset",
+    "read_whole_split",
 ]
 
 

@@ -12,6 +12,7 @@ seed and `num_canonical_nodes` only, so a run resumed on a different number of r
 the same global order. No Prefect here: this runs on every rank.
 """
 
+import atexit
 import contextlib
 import json
 import logging
@@ -31,7 +32,11 @@ from streaming import StreamingDataLoader, StreamingDataset
 from trainflow.data.config import LoaderConfig
 from trainflow.data.errors import DataError
 from trainflow.data.paths import is_remote, join_uri, stream_cache_dir
-from trainflow.data.shm import clean_stale_streaming_state
+from trainflow.data.shm import (
+    clean_stale_streaming_state,
+    release_streaming_state_since,
+    streaming_prefixes,
+)
 from trainflow.data.store import damage, mark_damaged, read_index, read_manifest
 
 logger = logging.getLogger(__name__)
@@ -428,3 +433,36 @@ def build_dataloader(
     if state is not None:
         loader.load_state_dict(state)
     return loader
+
+
+# The `streaming` prefixes present before this process's first whole-split read (None: no read).
+_reads_began: set[str] | None = None
+
+
+def _release_reads_state() -> None:
+    """At exit: remove the lock files (and any shared memory) this process's whole-split
+    reads left. Registered before the first read's dataset exists, so it runs after
+    `streaming`'s own exit handlers (last registered, first run) have released that memory."""
+    if _reads_began is not None:
+        release_streaming_state_since(_reads_began)
+
+
+def read_whole_split(uri: str, split: str, batch_size: int = 256) -> list[dict[str, Any]]:
+    """Every sample of a split, in stored order, read in this process (one reader, no process
+    group): for the orchestrating process, which needs a whole split (evaluation, a lookup
+    table). Ranks stream their own partitions with `build_dataloader` instead.
+
+    `streaming` keeps a dataset's shared memory until the process exits and leaves its lock
+    files (`<prefix>_*_filelock`) in the temp folder even then; those of this process's reads
+    are removed when it exits. (The ranks' are removed with their launch's temp folder.)
+
+    Raises:
+        DataError: as `build_dataloader`.
+    """
+    global _reads_began
+    if _reads_began is None:
+        _reads_began = streaming_prefixes()
+        atexit.register(_release_reads_state)
+    read_all = LoaderConfig(batch_size=batch_size, shuffle=False)
+    loader = build_dataloader(uri, split, read_all, collate_fn=list)
+    return [sample for batch in loader for sample in batch]

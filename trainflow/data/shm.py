@@ -115,18 +115,19 @@ def clean_stale_streaming_state() -> list[str]:
 
 
 def streaming_prefixes() -> set[str]:
-    """The prefixes of `streaming` shared memory in `/dev/shm` now (empty where there is none)."""
-    if not SHM_DIR.is_dir():
-        return set()
-    return {m.group(1) for p in SHM_DIR.iterdir() if (m := _SHM_NAME.match(p.name))}
+    """The prefixes of `streaming` shared memory in `/dev/shm` and of its lock files in the temp
+    folder now."""
+    found = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()] if SHM_DIR.is_dir() else []
+    found += [(p, _LOCK_NAME) for p in Path(tempfile.gettempdir()).iterdir()]
+    return {m.group(1) for p, pattern in found if (m := pattern.match(p.name))}
 
 
 def release_streaming_state_since(before: set[str]) -> list[str]:
     """Remove the `streaming` shared memory and lock files of prefixes that appeared since
-    `before` (taken with `streaming_prefixes` when a launch started) and that no process maps
-    any more: what the launch's ranks left when they were stopped (a hang, a failure, a kill),
-    without the `GRACE_S` wait, which is for memory that may not be mapped yet. Memory that
-    other runs map is kept.
+    `before` (taken with `streaming_prefixes` when a launch or a read started) and that no
+    process maps any more: what the launch's ranks left when they were stopped (a hang, a
+    failure, a kill), or the lock files a finished read leaves, without the `GRACE_S` wait,
+    which is for memory that may not be mapped yet. Memory that other runs map is kept.
 
     Returns:
         Paths removed.
@@ -135,7 +136,7 @@ def release_streaming_state_since(before: set[str]) -> list[str]:
     if not new:
         return []
     live = _prefixes_in_use()
-    candidates = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()]
+    candidates = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()] if SHM_DIR.is_dir() else []
     candidates += [(p, _LOCK_NAME) for p in Path(tempfile.gettempdir()).iterdir()]
     removed = []
     for path, pattern in candidates:

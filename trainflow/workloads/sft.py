@@ -124,14 +124,11 @@ def gather_split(uri: str, split: str, limit: int | None = None) -> dict[str, li
 
 
 def _split_rows(uri: str, split: str) -> dict[int, tuple[list[int], list[int]]]:
-    from trainflow.data import LoaderConfig, build_dataloader
+    from trainflow.data import read_whole_split
 
-    read_all = LoaderConfig.model_validate({"batch_size": 256, "shuffle": False})
-    loader = build_dataloader(uri, split, read_all, collate_fn=list)
     return {
         int(s["id"]): (s["input_ids"].tolist(), s["assistant_masks"].tolist())
-        for batch in loader
-        for s in batch
+        for s in read_whole_split(uri, split)
     }
 
 

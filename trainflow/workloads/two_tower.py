@@ -28,7 +28,7 @@ from torchmetrics.functional.classification import binary_auroc
 from trainflow import checkpoint, runtime, storage
 from trainflow.compat.lightning import leave_sigterm_to_launcher
 from trainflow.configs.two_tower import TwoTowerConfig, TwoTowerJob
-from trainflow.data import LoaderConfig, PreparedDataset, build_dataloader
+from trainflow.data import LoaderConfig, PreparedDataset, build_dataloader, read_whole_split
 from trainflow.efficiency import EfficiencyMeter
 from trainflow.errors import Preempted
 from trainflow.models.two_tower import TwoTower, recall_at_k, sampled_negative_loss
@@ -59,10 +59,7 @@ def read_split(uri: str, split: str) -> dict[str, np.ndarray]:
     For the orchestrating process (one reader, no process group); training ranks stream their
     own partitions instead.
     """
-    read_all = LoaderConfig.model_validate({"batch_size": 1024, "shuffle": False})
-    samples = [
-        s for batch in build_dataloader(uri, split, read_all, collate_fn=list) for s in batch
-    ]
+    samples = read_whole_split(uri, split, batch_size=1024)
     samples.sort(key=lambda s: int(s["id"]))
     return {key: np.asarray([s[key] for s in samples]) for key in samples[0]}
 
