@@ -139,22 +139,32 @@ def test_s3_output_is_uploaded_cached_and_streamed_back(tmp_path, s3_server):
 _READ_AND_EXIT = """
 import sys, tempfile
 from trainflow.data import LoaderConfig, build_dataloader, read_whole_split
-if sys.argv[2] == "whole":
-    ids = [int(s["id"]) for s in read_whole_split(sys.argv[1], "train", batch_size=64)]
-else:
-    loader = build_dataloader(sys.argv[1], "train", LoaderConfig(batch_size=64, shuffle=False))
-    ids = [int(i) for batch in loader for i in batch["id"]]
+from trainflow.data.paths import stream_cache_dir
+uri, read = sys.argv[1], sys.argv[2]
+if read == "whole":
+    ids = [int(s["id"]) for s in read_whole_split(uri, "train", batch_size=64)]
+elif read == "loader":
+    for _ in range(2):  # two datasets alive at once: two prefixes
+        loader = build_dataloader(uri, "train", LoaderConfig(batch_size=64, shuffle=False))
+        ids = [int(i) for batch in loader for i in batch["id"]]
+else:  # streaming's own dataset, as build_dataloader opens it
+    from streaming import StreamingDataset
+    dataset = StreamingDataset(
+        remote=uri, local=str(stream_cache_dir(uri)), split="train", batch_size=64
+    )
+    ids = sorted(int(s["id"]) for s in dataset)
 assert ids == list(range(200)), ids
 print(tempfile.gettempdir())
 """
 
 
-@pytest.mark.parametrize("read", ["loader", "whole"])
-def test_a_process_that_read_a_whole_split_leaves_nothing_in_the_temp_folder(
+@pytest.mark.parametrize("read", ["streaming", "loader", "whole"])
+def test_a_process_that_read_with_our_loader_leaves_nothing_in_the_temp_folder(
     clicks, tmp_path, read
 ):
-    # streaming leaves its lock files in the temp folder even when its reader exits cleanly;
-    # the orchestrating process's whole-split reads remove theirs at exit.
+    # streaming leaves its lock files in the temp folder even when its reader exits cleanly
+    # (its shared memory it releases at exit); a process that read with build_dataloader
+    # removes its own at exit.
     temp = tmp_path / "temp"
     temp.mkdir()
     done = subprocess.run(
@@ -168,7 +178,7 @@ def test_a_process_that_read_a_whole_split_leaves_nothing_in_the_temp_folder(
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(temp)
     left = sorted(p.name for p in temp.iterdir())
-    if read == "loader":
+    if read == "streaming":
         assert left and all(name.endswith("_filelock") for name in left), left
     else:
         assert left == []

@@ -355,6 +355,32 @@ def verify_cached_split(uri: str, split: str, cache: Path, algos: Sequence[str])
     return removed
 
 
+# The `streaming` prefixes present before this process built its first loader (None: none yet).
+_loaders_began: set[str] | None = None
+
+
+def _release_loaders_state() -> None:
+    if _loaders_began is not None:
+        release_streaming_state_since(_loaders_began)
+
+
+def _release_at_exit() -> None:
+    """Have this process remove, when it exits, the lock files its loaders' datasets leave.
+
+    `streaming` keeps a dataset's shared memory until its process exits (its exit handlers
+    release it) and leaves the dataset's lock files (`<tmp>/<prefix>_*_filelock`) even then.
+    Registered before this process's first dataset exists, the handler runs after every
+    dataset's own (last registered, first run), so only prefixes that no process maps any more
+    are removed: another process's live dataset keeps its files. A launch's ranks keep theirs
+    in the launch's temp folder, removed with it; this covers any other process (a pipeline's
+    own, a script, a notebook's kernel).
+    """
+    global _loaders_began
+    if _loaders_began is None:
+        _loaders_began = streaming_prefixes()
+        atexit.register(_release_loaders_state)
+
+
 def build_dataloader(
     uri: str,
     split: str,
@@ -398,6 +424,7 @@ def build_dataloader(
             f"the published dataset {uri} is damaged: {problem}. The next prepare of it (the "
             "next run) rebuilds it"
         )
+    _release_at_exit()
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         if config.clean_stale_shared_memory:
             clean_stale_streaming_state()
@@ -435,34 +462,14 @@ def build_dataloader(
     return loader
 
 
-# The `streaming` prefixes present before this process's first whole-split read (None: no read).
-_reads_began: set[str] | None = None
-
-
-def _release_reads_state() -> None:
-    """At exit: remove the lock files (and any shared memory) this process's whole-split
-    reads left. Registered before the first read's dataset exists, so it runs after
-    `streaming`'s own exit handlers (last registered, first run) have released that memory."""
-    if _reads_began is not None:
-        release_streaming_state_since(_reads_began)
-
-
 def read_whole_split(uri: str, split: str, batch_size: int = 256) -> list[dict[str, Any]]:
     """Every sample of a split, in stored order, read in this process (one reader, no process
     group): for the orchestrating process, which needs a whole split (evaluation, a lookup
     table). Ranks stream their own partitions with `build_dataloader` instead.
 
-    `streaming` keeps a dataset's shared memory until the process exits and leaves its lock
-    files (`<prefix>_*_filelock`) in the temp folder even then; those of this process's reads
-    are removed when it exits. (The ranks' are removed with their launch's temp folder.)
-
     Raises:
         DataError: as `build_dataloader`.
     """
-    global _reads_began
-    if _reads_began is None:
-        _reads_began = streaming_prefixes()
-        atexit.register(_release_reads_state)
     read_all = LoaderConfig(batch_size=batch_size, shuffle=False)
     loader = build_dataloader(uri, split, read_all, collate_fn=list)
     return [sample for batch in loader for sample in batch]
