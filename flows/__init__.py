@@ -1,5 +1,6 @@
 """Prefect flows, one pipeline per module: `python -m flows.<name>`."""
 
+import gc
 import os
 import sys
 
@@ -19,16 +20,21 @@ def _start_ahead() -> None:
     name = argv[at + 1].removeprefix("flows.")
     if name == argv[at + 1]:
         return
+    gc.disable()  # a pipeline's start-up is mostly imports: see `trainflow.cli.pause_collector`
     _check_environment(name)
-    from trainflow.cli import refuse_resume_ahead, start_ahead
+    from trainflow.cli import pause_collector, refuse_resume_ahead, start_ahead
     from trainflow.pipelines import PIPELINES
 
     spec = PIPELINES.get(name)
+    if spec is None:  # not a pipeline (`flows.local_server`, `flows.sweep`): as it was
+        gc.enable()
+        return
+    pause_collector()  # `run_pipeline` turns it on again as the flow starts
     args = argv[at + 2 :]
-    if spec is not None and spec.startup_hook("command_line") is None:
+    if spec.startup_hook("command_line") is None:
         refuse_resume_ahead(name, spec.defaults(), args, spec.presets_by_name())
-    ahead = spec.startup_hook("start_agent") if spec is not None else None
-    if spec is None or ahead is None:
+    ahead = spec.startup_hook("start_agent")
+    if ahead is None:
         return
     check = spec.startup_hook("check_files")
     start_ahead(name, spec.defaults(), args, spec.presets_by_name(), check, ahead)

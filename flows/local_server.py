@@ -60,15 +60,17 @@ def _free_port() -> int:
 
 
 def _server_command(port: int) -> list[str]:
-    """What Prefect runs for its temporary server (`SubprocessASGIServer`), on `port`."""
+    """What Prefect runs for its temporary server (`SubprocessASGIServer`), on `port`, with
+    Prefect's app built by `flows.server_app` (the same app, its imports without the cyclic
+    collector)."""
     return [
         sys.executable,
         "-m",
         "uvicorn",
         "--app-dir",
-        str(prefect.__module_path__.parent),
+        str(Path(__file__).resolve().parents[1]),
         "--factory",
-        prefect_compat.SERVER_APP_FACTORY,
+        "flows.server_app:create_app",
         "--host",
         "127.0.0.1",
         "--port",

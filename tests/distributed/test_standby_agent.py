@@ -1,6 +1,7 @@
 """An agent started ahead of its launch (`trainflow.launch.backends.standby`): used, passed
 over, or stopped."""
 
+import gc
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from trainflow import runtime
 from trainflow.launch.backends import launch, standby
@@ -238,3 +240,27 @@ def test_without_an_agent_the_caller_is_told_to_check_itself(monkeypatch):
     ahead = standby(OPTIONS, [], check=("json:loads", "[1]"))
     assert ahead.check_outcome() is None and _standby_pids() == []
     ahead()
+
+
+def _collector() -> dict:
+    return {
+        "on": gc.isenabled(),
+        "frozen": gc.get_freeze_count() > 0,
+        "full_collections": gc.get_stats()[2]["collections"],
+    }
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_ranks_train_with_the_collector_on_after_an_agent_that_imported_without_it(ahead):
+    # The agent imports with the cyclic collector off (its full collections of a growing heap
+    # free next to nothing); the ranks forked from it must train with it on, with what the
+    # agent loaded frozen out of its sight. Collection counts are inherited through the fork.
+    discard = standby(OPTIONS, ["tests.unit.conftest_data"]) if ahead else None
+    try:
+        result = launch(_collector, options=OPTIONS, on_line=lambda r, line: None)
+    finally:
+        if discard is not None:
+            discard()
+    for seen in result.values:
+        assert seen["on"] and seen["frozen"], seen
+        assert seen["full_collections"] < 2, seen

@@ -114,3 +114,27 @@ def test_the_sft_command_starts_its_agent_before_it_imports_prefect():
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
     )
     assert "PREFECT_LOADED False" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_pipeline_command_imports_without_the_collector_and_runs_its_flow_with_it():
+    # `python -m flows.NAME` turns the cyclic collector off for its start-up (imports); the
+    # flow itself must run with it on.
+    code = (
+        "import gc, sys\n"
+        "sys.orig_argv = [sys.executable, '-m', 'flows.mlp']\n"
+        "import flows\n"
+        "print('STARTUP', gc.isenabled())\n"
+        "from trainflow.cli import run_pipeline\n"
+        "from trainflow.workloads.mlp import MLPConfig\n"
+        "class Flow:\n"
+        "    name = 'mlp'\n"
+        "    def __call__(self, config):\n"
+        "        print('FLOW', gc.isenabled())\n"
+        "        raise SystemExit(0)\n"
+        "run_pipeline(Flow(), MLPConfig(), [], None)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["STARTUP", "False", "FLOW", "True"], done.stderr[-2000:]

@@ -33,8 +33,23 @@ class CountingCollate(PadCollate):
         return super().__call__(samples)
 
 
+_EARLIER: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _earlier_threads():
+    """Read-ahead threads of other tests' loaders in this process (one a Trainer left in a
+    reference cycle lives until the collector runs) are not this test's."""
+    _EARLIER.clear()
+    _EARLIER.update(t for t in threading.enumerate() if t.name == "trainflow-read-ahead")
+    yield
+
+
 def _read_ahead_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "trainflow-read-ahead"]
+    """This test's read-ahead threads still alive."""
+    return [
+        t for t in threading.enumerate() if t.name == "trainflow-read-ahead" and t not in _EARLIER
+    ]
 
 
 def _wait_for(condition, timeout_s: float = 5.0) -> bool:

@@ -5,9 +5,18 @@ agent, its workers and anything they start form one process group the caller can
 and the caller's process keeps no elastic signal handlers or multiprocessing helpers behind.
 """
 
+# ruff: noqa: E402  (the collector is turned off before the imports below)
+import gc
+
+if __name__ == "__main__":
+    # Before its ranks start, the agent mostly imports: torch, then the workload's libraries
+    # (`standby`). With the cyclic collector off meanwhile they take about a fifth less CPU
+    # (some ten full collections of a growing heap, which free next to nothing), on the way to
+    # the first step. It is turned back on before the ranks fork (`_collect_from_here`).
+    gc.disable()
+
 import contextlib
 import ctypes
-import gc
 import importlib
 import importlib.util
 import json
@@ -165,6 +174,18 @@ def run_calls(calls: list[dict[str, Any]], outcomes: IO[str]) -> None:
             skip = f"{call['function']} did not return a value"
 
 
+def _collect_from_here() -> None:
+    """Put what is loaded so far out of the cyclic collector's sight, and turn the collector
+    back on (it is off while the agent imports: see the top of this module).
+
+    What was imported lives as long as the ranks forked from here: frozen, a full collection
+    in a rank (freeing the training state before evaluation) takes milliseconds instead of
+    most of a second, and pages shared with the ranks stay shared.
+    """
+    gc.freeze()
+    gc.enable()
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -204,10 +225,7 @@ def standby(log: str, preload: list[str], outcomes_fd: int) -> int:
     took = time.monotonic() - started
     print(f"standby agent: imported {', '.join(imported) or 'nothing'} in {took:.1f}s", flush=True)
     _warm_up(preload)
-    # What was imported lives as long as the ranks forked from here: out of the collector's
-    # sight, a full collection in a rank (freeing the training state before evaluation) takes
-    # milliseconds instead of most of a second, and pages shared with the ranks stay shared.
-    gc.freeze()
+    _collect_from_here()
     line = sys.stdin.readline().strip()
     if not line:  # not needed after all, or the caller is gone (its end of stdin closed)
         Path(log).unlink(missing_ok=True)
@@ -285,6 +303,8 @@ def main(run_dir: str, watching: bool = False) -> int:
     except LaunchSpecError as exc:  # a caller on another trainflow release: say so, no rank
         rd.agent_error.write_text(f"{exc}\n")
         return 2
+    if not gc.isenabled():  # an agent started for this launch, not one kept in standby
+        _collect_from_here()
     _adopt_orphans()
     if not watching:
         threading.Thread(target=_exit_with_parent, args=(spec.caller_pid,), daemon=True).start()
