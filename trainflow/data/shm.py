@@ -39,6 +39,18 @@ _MAPPED = re.compile(r"/dev/shm/(\d{6})_")
 GRACE_S = 2.0
 
 
+def _candidates() -> list[tuple[Path, re.Pattern[str]]]:
+    """Every entry of `/dev/shm` (where there is one) and of the temp folder, each with the
+    pattern a `streaming` file there would match."""
+    found = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()] if SHM_DIR.is_dir() else []
+    found += [(p, _LOCK_NAME) for p in Path(tempfile.gettempdir()).iterdir()]
+    return found
+
+
+def _prefixes(candidates: list[tuple[Path, re.Pattern[str]]]) -> set[str]:
+    return {m.group(1) for p, pattern in candidates if (m := pattern.match(p.name))}
+
+
 def _prefixes_in_use() -> set[str]:
     live: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
@@ -96,8 +108,7 @@ def clean_stale_streaming_state() -> list[str]:
 
         clean_stale_shared_memory()
         return []
-    candidates = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()]
-    candidates += [(p, _LOCK_NAME) for p in Path(tempfile.gettempdir()).iterdir()]
+    candidates = _candidates()
     # List first, then read the maps: anything listed and live is mapped by then.
     live = _prefixes_in_use()
     now = time.time()
@@ -117,9 +128,7 @@ def clean_stale_streaming_state() -> list[str]:
 def streaming_prefixes() -> set[str]:
     """The prefixes of `streaming` shared memory in `/dev/shm` and of its lock files in the temp
     folder now."""
-    found = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()] if SHM_DIR.is_dir() else []
-    found += [(p, _LOCK_NAME) for p in Path(tempfile.gettempdir()).iterdir()]
-    return {m.group(1) for p, pattern in found if (m := pattern.match(p.name))}
+    return _prefixes(_candidates())
 
 
 def release_streaming_state_since(before: set[str]) -> list[str]:
@@ -132,12 +141,11 @@ def release_streaming_state_since(before: set[str]) -> list[str]:
     Returns:
         Paths removed.
     """
-    new = streaming_prefixes() - before
+    candidates = _candidates()
+    new = _prefixes(candidates) - before
     if not new:
         return []
-    live = _prefixes_in_use()
-    candidates = [(p, _SHM_NAME) for p in SHM_DIR.iterdir()] if SHM_DIR.is_dir() else []
-    candidates += [(p, _LOCK_NAME) for p in Path(tempfile.gettempdir()).iterdir()]
+    live = _prefixes_in_use()  # after the listing: anything listed and live is mapped by then
     removed = []
     for path, pattern in candidates:
         match = pattern.match(path.name)
