@@ -557,19 +557,21 @@ def start_launch_agent(
     module: str,
     check: tuple[str, Any] | None = None,
     then: Sequence[tuple[str, Any]] = (),
+    also: Sequence[str] = (),
 ) -> AgentAhead:
-    """Start the agent of the run's training launch now, importing the workload's `module`
-    (`trainflow.launch.backends.standby`): ranks then start with it loaded. Not for runs that wait
-    for rank slots (a sweep's trials). Returns the call that stops it if no launch used it;
-    `run_pipeline` also stops it if the run never launches. `check` (`module:function`, a JSON
-    value) runs in the agent first (`AgentAhead.check_outcome`), then the calls in `then`
-    (`AgentAhead.outcome`), before it imports the rest."""
+    """Start the agent of the run's training launch now, importing the workload's `module` and
+    the modules in `also` (`trainflow.launch.backends.standby`): ranks then start with them
+    loaded. Not for runs that wait for rank slots (a sweep's trials). Returns the call that
+    stops it if no launch used it; `run_pipeline` also stops it if the run never launches.
+    `check` (`module:function`, a JSON value) runs in the agent first
+    (`AgentAhead.check_outcome`), then the calls in `then` (`AgentAhead.outcome`), before it
+    imports the rest."""
     from trainflow.launch.backends import standby
     from trainflow.resources import Resources
 
     if not isinstance(config, Resources) or getattr(config, "gpu_pool", None) is not None:
         return AgentAhead()
-    return standby(config.launch_options(), [module], check, then)
+    return standby(config.launch_options(), [module, *also], check, then)
 
 
 def check_resume(name: str, config: Any) -> None:

@@ -6,6 +6,7 @@ disjoint and together they are the whole split, once.
 """
 
 import itertools
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ def ids_through_the_trainer(job: SFTJob, strategy: Any, **kwargs: Any) -> dict[s
 
     sft.sample_log.start()
     result = sft.train(job, strategy, **kwargs)
-    return {"ids": sft.sample_log.ids, "result": result}
+    return {"ids": sft.sample_log.ids, "result": result, "deepspeed": "deepspeed" in sys.modules}
 
 
 def _per_epoch(ranks: list[list[list[int]]]) -> list[list[set[int]]]:
@@ -116,6 +117,9 @@ def test_each_rank_reads_its_own_partition_through_the_trainer(chat_split, techn
     # The model the Trainer trained is really wrapped by the technique, not just configured.
     expected = "DistributedDataParallel" if technique.name == "ddp" else "FSDPLlamaForCausalLM"
     assert result.wrapped_as == expected
+    # Saving unwraps the model (accelerate), which looks for DeepSpeed's engine only where
+    # DeepSpeed is loaded: these ranks never import it.
+    assert [r["deepspeed"] for r in ranks.values] == [False, False]
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,8 @@ BEHAVIOUR = {
     "test_notebook_cells.py::test_sft_trainer_cell_trains_over_both_ranks",
     "accelerate: PartialState.__init__": "tests/distributed/test_notebook_cells.py::"
     "test_a_framework_left_single_process_fails_naming_it",
+    "accelerate: utils.other.is_deepspeed_available (extract_model_from_parallel)": "tests/unit/"
+    "test_compat.py::test_unwrapping_a_model_imports_deepspeed_only_where_it_is_loaded",
     "lightning: Trainer.__init__": "tests/distributed/test_notebook_cells.py::"
     "test_lightning_cell_with_devices_auto_trains_over_both_ranks",
     "lightning: Trainer._signal_connector (_SignalConnector)": "tests/flows/test_resume.py::"
@@ -316,6 +318,39 @@ def test_no_compiled_ops_never_runs_deepspeeds_compiler_probe(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[-1] == "{}"  # DeepSpeed prints its accelerator first
+
+
+UNWRAP = """
+    import sys
+    import torch
+    from accelerate.utils import other
+    from trainflow.compat.transformers import unwrap_without_deepspeed
+
+    model = torch.nn.Linear(2, 2)
+    if PATCHED:
+        unwrap_without_deepspeed(other)
+    assert other.extract_model_from_parallel(torch.nn.DataParallel(model)) is model
+    print("deepspeed" in sys.modules)
+    if PATCHED:
+        import deepspeed  # a ZeRO run's ranks load it to build their engine
+
+        print(other.is_deepspeed_available())
+    """
+
+
+def test_unwrapping_a_model_imports_deepspeed_only_where_it_is_loaded(tmp_path):
+    """accelerate's unwrap (every Trainer save) imports DeepSpeed to test for its engine; with
+    the patch a rank that never loaded DeepSpeed does not, and one that did still checks for
+    the engine. Without the patch it does import it: the patch still has work to do."""
+    pytest.importorskip("deepspeed")
+    plain = _run("PATCHED = False\n" + textwrap.dedent(UNWRAP), tmp_path)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert plain.stdout.splitlines()[-1] == "True"
+    patched = _run("PATCHED = True\n" + textwrap.dedent(UNWRAP), tmp_path)
+    assert patched.returncode == 0, patched.stderr[-2000:]
+    # DeepSpeed prints its accelerator when imported: the first and last lines are ours.
+    lines = patched.stdout.splitlines()
+    assert (lines[0], lines[-1]) == ("False", "True")
 
 
 def test_the_architecture_doc_lists_every_patch_with_its_range():

@@ -17,6 +17,8 @@ Every launch (the environment contract):
   have set up, that they see the launched world. One that ended single-process inside a
   multi-rank launch raises `SingleProcessFrameworkError` naming it, rather than training one
   independent copy per rank.
+- accelerate unwraps a model (the `Trainer` saving it) without importing DeepSpeed, unless
+  DeepSpeed is already imported: a DDP or FSDP rank never loads it.
 
 CPU ranks (`gpu_type="cpu"`, or the CPU fallback of GPU code; never on GPU ranks):
 
@@ -125,6 +127,7 @@ def install(run_dir: Path, rank: int, device: str, collective_timeout_s: float) 
         finder.watch("transformers.training_args", transformers.adapt_training_arguments)
         finder.watch("transformers.trainer", transformers.adapt_trainer)
     finder.watch("accelerate.state", transformers.check_accelerate(cpu))
+    finder.watch("accelerate.utils.other", transformers.unwrap_without_deepspeed)
     for package in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
         finder.watch(package, lightning.adapt_trainer(cpu))
     finder.watch("deepspeed", deepspeed.adapt(cpu))

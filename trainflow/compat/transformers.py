@@ -12,6 +12,7 @@ both.
 """
 
 import os
+import sys
 import types
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -59,6 +60,15 @@ PARTIAL_STATE = declare(
     why="CPU ranks: a bare PartialState() takes the launch's ACCELERATE_USE_CPU as "
     "Accelerator() does (it joins the gloo world); a state that set itself up single-process "
     "inside a multi-rank launch fails, naming it, instead of training one copy per rank",
+)
+UNWRAP_MODEL = declare(
+    "accelerate: utils.other.is_deepspeed_available (extract_model_from_parallel)",
+    "accelerate",
+    ACCELERATE,
+    target="accelerate.utils.other:is_deepspeed_available",
+    why="speed: unwrapping a model (every Trainer save) imports DeepSpeed whenever it is "
+    "installed, about 0.6 s of a core, to test for a DeepSpeed engine, which only a process "
+    "that imported DeepSpeed can hold",
 )
 
 SAVE_MODEL = declare(
@@ -254,6 +264,22 @@ def adapt_trainer(module: types.ModuleType) -> None:
         return create_accelerator_and_postprocess
 
     replace(CREATE_ACCELERATOR, module.Trainer, "create_accelerator_and_postprocess", make)
+
+
+def unwrap_without_deepspeed(module: types.ModuleType) -> None:
+    """accelerate's `extract_model_from_parallel` (the Trainer's `unwrap_model`, on every save)
+    looks for DeepSpeed's engine only once DeepSpeed is imported: a DDP or FSDP rank never
+    imports it (about 0.6 s of a core each, and a launch agent's preload) just to find its model
+    is not one. `module` is `accelerate.utils.other`; the check stays as it was once DeepSpeed
+    is loaded (a ZeRO run imports it to build its engine)."""
+
+    def make(original: Callable[..., bool]) -> Callable[..., bool]:
+        def is_deepspeed_available() -> bool:
+            return "deepspeed" in sys.modules and original()
+
+        return is_deepspeed_available
+
+    replace(UNWRAP_MODEL, module, "is_deepspeed_available", make)
 
 
 def check_accelerate(cpu_ranks: bool) -> Callable[[types.ModuleType], None]:

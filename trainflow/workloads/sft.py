@@ -78,9 +78,10 @@ __all__ = [
 
 # Imported by a rank only once it trains, so the flow's process (which imports this module for
 # its checks and evaluation) does not pay for them; a launch's standby agent imports them
-# ahead (`trainflow.launch.agent`), once, for ranks forked from it. Accelerate imports DeepSpeed
-# whenever it is installed (to unwrap the trained model for saving), whatever the technique.
-RANK_IMPORTS = ("trl.trainer.sft_trainer", "trainflow.data.loader", *SINK_IMPORTS, "deepspeed")
+# ahead (`trainflow.launch.agent`), once, for ranks forked from it. DeepSpeed only for its own
+# technique (`sft_startup.start_agent`): other ranks never import it
+# (`compat.transformers.unwrap_without_deepspeed`).
+RANK_IMPORTS = ("trl.trainer.sft_trainer", "trainflow.data.loader", *SINK_IMPORTS)
 # Run by that agent while it waits for its launch: rank 0 logs the model after training.
 RANK_WARMUPS = ("trainflow.tracking:warm_model_logging",)
 
