@@ -10,9 +10,10 @@ validates the parameters, so a bad config never reaches a worker.
 import argparse
 import json
 import sys
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from prefect import flow
+from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from pydantic import BaseModel, Field
 
@@ -47,12 +48,16 @@ def launch(
     """
     profile = select_profile(*requested_size(config))
     name = f"{pipeline}/{profile.deployment}"
-    run = run_deployment(
-        name,
-        parameters={"config": config},
-        job_variables=profile.job_variables,
-        timeout=None if wait else 0,
-        as_subflow=True,
+    # Called from a sync flow, Prefect's dual sync/async API returns the flow run itself.
+    run = cast(
+        FlowRun,
+        run_deployment(
+            name,
+            parameters={"config": config},
+            job_variables=profile.job_variables,
+            timeout=None if wait else 0,
+            as_subflow=True,
+        ),
     )
     return LaunchedRun(
         deployment=name, flow_run_id=str(run.id), job_variables=profile.job_variables

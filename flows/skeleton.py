@@ -26,7 +26,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol, Self, TypeVar, runtime_checkable
+from typing import Any, Protocol, Self, TypeVar, cast, runtime_checkable
+from uuid import UUID
 
 from prefect import task
 from prefect.artifacts import (
@@ -320,7 +321,8 @@ def _agent_ahead(workload: PipelineWorkload, config: SkeletonConfig) -> Iterator
 def check_resumable(workload: PipelineWorkload, config: SkeletonConfig, run_id: str) -> None:
     """Refuse to continue `run_id` with a config that trains something else
     (`check_resume_config`: the command line checks the same before anything starts)."""
-    check_resume_config(workload.name, config, run_id)
+    # Every pipeline's config is a pydantic model (`PipelineConfig`, `FrameworkConfig`).
+    check_resume_config(workload.name, cast(BaseModel, config), run_id)
 
 
 def preflight(workload: WorkloadSpec, config: SkeletonConfig) -> None:
@@ -561,8 +563,14 @@ def _progress(run: TrackedRun, poll_s: float = 2.0) -> Iterator[None]:
 
     Ranks never talk to Prefect: rank 0 writes the file and this thread forwards it.
     """
-    artifact_id = create_progress_artifact(
-        progress=0.0, key=f"{run.artifact_key}-progress", description="Training steps done (%)"
+    # Called from a sync flow, Prefect's dual sync/async API returns the id itself.
+    artifact_id = cast(
+        UUID,
+        create_progress_artifact(
+            progress=0.0,
+            key=f"{run.artifact_key}-progress",
+            description="Training steps done (%)",
+        ),
     )
     progress_file = run.output_dir / tracking.PROGRESS_FILE
     stop = threading.Event()

@@ -22,7 +22,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import optuna
 from prefect import flow
@@ -213,7 +213,9 @@ class SweepResult(PipelineResult):
     )
 
 
-@flow(name="sweep", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))
+# Prefect types the decorator's `task_runner` as a `TaskRunner[PrefectFuture]`, an invariant
+# parameter its own `ThreadPoolTaskRunner` (of `PrefectConcurrentFuture`s) does not match.
+@flow(name="sweep", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))  # type: ignore[arg-type]
 def sweep(config: SweepConfig = SweepConfig()) -> SweepResult:
     """Run trials of one pipeline under a rank budget; promote the best that passes its gate."""
     if not config.space:
@@ -284,7 +286,7 @@ class _Trials:
     def __init__(self, config: SweepConfig, parent: str, study: optuna.Study):
         self.config, self.parent, self.study = config, parent, study
         self.keys = list(config.space)
-        self.in_flight: dict[int, tuple[optuna.Trial, PrefectFuture[Any]]] = {}
+        self.in_flight: dict[int, tuple[optuna.Trial, PrefectConcurrentFuture[Any]]] = {}
         self.run_ids: dict[int, str] = {}
         self.reported: dict[int, set[int]] = {}
         self.pruning: set[int] = set()
@@ -357,10 +359,14 @@ class _Trials:
             )
             trial.set_user_attr(space_lib.STARTED, time.time())
             print(f"trial {trial.number} starts: {params}")
-            future = run_trial.submit(self.config.pipeline, trial.number, trial_config)
+            # The sweep's task runner is a thread pool: its futures are concurrent ones.
+            future = cast(
+                PrefectConcurrentFuture[Any],
+                run_trial.submit(self.config.pipeline, trial.number, trial_config),
+            )
             self.in_flight[trial.number] = (trial, future)
 
-    def watch(self, done: set[PrefectFuture[Any]]) -> None:
+    def watch(self, done: set[PrefectConcurrentFuture[Any]]) -> None:
         """Report new intermediate values, prune what the pruner says, record finished ones."""
         if self.config.pruner != "none":
             for number, (trial, future) in self.in_flight.items():

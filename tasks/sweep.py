@@ -8,6 +8,7 @@ does.
 """
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 from prefect import Flow, get_client, task
@@ -53,7 +54,7 @@ def run_trial(pipeline: str, number: int, config: BaseModel) -> Any:
     return pipeline_flow(pipeline).with_options(flow_run_name=trial_run_name(number))(config)
 
 
-def cancel_trials(trials: dict[int, PrefectFuture[Any]], message: str) -> None:
+def cancel_trials(trials: Mapping[int, PrefectFuture[Any]], message: str) -> None:
     """End stopped trials (number -> `run_trial` future) Cancelled: their task runs, their
     subflow runs and the subflow runs below those that did not complete.
 
