@@ -19,7 +19,8 @@ Each side runs in a temporary folder of its own; the stack side starts its own s
   apart, by constraint (`postgres_unique_violations`).
 
 The last line of stdout is one JSON object with each side's counts and wall time, and
-`stack_over_sqlite`, the ratio of the wall times.
+`stack_over_sqlite`, the ratio of the wall times. A process that exits non-zero has the last
+`LOG_TAIL` lines of its output printed on stderr (`--keep` keeps the whole logs).
 """
 
 import argparse
@@ -42,6 +43,7 @@ DB_ERRORS = re.compile(
     r"|could not serialize access|too many (?:clients|connections)|connection refused",
     re.IGNORECASE,
 )
+LOG_TAIL = 60  # lines of a failed process's output shown on stderr
 
 
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -86,6 +88,10 @@ def run_load(env: dict[str, str], work: Path, load: dict[str, list[str]]) -> dic
         codes[name] = proc.wait()
         out.close()
         print(f"  {name}: exit {codes[name]} at {time.monotonic() - started:.0f}s", file=sys.stderr)
+    for name, code in codes.items():
+        if code != 0:  # the work folder goes at the end: keep why it failed where it is read
+            tail = (work / f"{name}.log").read_text(errors="replace").splitlines()[-LOG_TAIL:]
+            print(f"--- the last lines of {name}'s output ---", *tail, sep="\n", file=sys.stderr)
     return {"exit_codes": codes, "wall_s": round(time.monotonic() - started, 1)}
 
 

@@ -28,7 +28,7 @@ def test_a_sweep_sft_and_two_tower_at_once_all_finish_registered_without_databas
     )
     report = json.loads(done.stdout.strip().splitlines()[-1])
     stack = report["stack"]
-    assert stack["exit_codes"] == {"sweep": 0, "sft-0": 0, "two_tower-0": 0}, done.stderr[-3000:]
+    assert stack["exit_codes"] == {"sweep": 0, "sft-0": 0, "two_tower-0": 0}, done.stderr[-8000:]
     assert stack["mlflow_statuses"] == {"FINISHED": 1 + 4 + 1 + 1}
     assert stack["children_linked"] and stack["sweep_children"] == 4
     assert stack["pipeline_runs_without_version"] == 0 and stack["versions"] == 4 + 1 + 1
