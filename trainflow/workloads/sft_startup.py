@@ -42,14 +42,13 @@ def start_agent(config: SFTConfig) -> Any:
     """The training launch's agent, started now (or the one already started for `config`),
     asked to check `config` first (`sft_checks.check_ahead`), then to prepare its dataset,
     where `datasets`, `streaming` and the tokenizer are imported for the ranks anyway
-    (`trainflow.data.ahead`: the prepare task waits for it). DeepSpeed is imported for the
-    ranks only when they use it (about 0.6 s of a core)."""
+    (`trainflow.data.ahead`: the prepare task waits for it), and DeepSpeed when the ranks use
+    it (`trainflow.cli.TECHNIQUE_IMPORTS`)."""
     return start_launch_agent(
         config,
         WORKLOAD,
         check=(f"{CHECKS}:check_ahead", config.model_dump(mode="json")),
         then=[data_ahead.prepare_call(config.data_config())],
-        also=("deepspeed",) if config.technique.name == "deepspeed" else (),
     )
 
 
