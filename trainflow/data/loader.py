@@ -34,6 +34,7 @@ from trainflow.data.errors import DataError
 from trainflow.data.paths import is_remote, join_uri, stream_cache_dir
 from trainflow.data.shm import (
     clean_stale_streaming_state,
+    registering,
     release_streaming_state_since,
     streaming_prefixes,
 )
@@ -426,28 +427,34 @@ def build_dataloader(
         )
     _release_at_exit()
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        if config.clean_stale_shared_memory:
-            clean_stale_streaming_state()
         verify_cached_split(uri, split, stream_cache_dir(uri), manifest.get("hashes") or [])
-    if dist.is_initialized():
-        dist.barrier()
-    dataset = _CheckedStreamingDataset(
-        remote=uri,
-        local=str(stream_cache_dir(uri)),
-        split=split,
-        batch_size=config.batch_size,
-        shuffle=config.shuffle,
-        shuffle_seed=config.seed,
-        num_canonical_nodes=config.num_canonical_nodes,
-        # streaming's default (8 batches) keeps its two background threads stepping alongside
-        # the reader, taking a file lock per sample (~1 ms of held GIL each): a third of the
-        # read rate. With the whole split allowed ahead, they run through this rank's samples
-        # once, preparing each shard in order, and stop.
-        predownload=manifest["splits"][split]["num_samples"],
-        validate_hash=manifest["hashes"][0]
-        if config.validate_hash and manifest["hashes"]
-        else None,
-    )
+    # One launch at a time registers its dataset's shared memory on this machine: rank 0 holds
+    # the lock, and the barriers keep the other ranks' own picks of the prefix inside its hold.
+    first = int(os.environ.get("RANK", "0")) == 0
+    with registering(first):
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and config.clean_stale_shared_memory:
+            clean_stale_streaming_state()
+        if dist.is_initialized():
+            dist.barrier()
+        dataset = _CheckedStreamingDataset(
+            remote=uri,
+            local=str(stream_cache_dir(uri)),
+            split=split,
+            batch_size=config.batch_size,
+            shuffle=config.shuffle,
+            shuffle_seed=config.seed,
+            num_canonical_nodes=config.num_canonical_nodes,
+            # streaming's default (8 batches) keeps its two background threads stepping
+            # alongside the reader, taking a file lock per sample (~1 ms of held GIL each): a
+            # third of the read rate. With the whole split allowed ahead, they run through this
+            # rank's samples once, preparing each shard in order, and stop.
+            predownload=manifest["splits"][split]["num_samples"],
+            validate_hash=manifest["hashes"][0]
+            if config.validate_hash and manifest["hashes"]
+            else None,
+        )
+        if dist.is_initialized():
+            dist.barrier()  # every rank has attached before another launch picks
     logger.debug("reading %s (%d samples)", join_uri(uri, split), dataset.num_samples)
     loader = ResumableLoader(
         dataset,

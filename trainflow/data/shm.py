@@ -9,11 +9,14 @@ it unlinks memory that live jobs still use. Here a prefix counts as stale only w
 maps any of its shared memory, so cleaning is safe while other jobs read on the machine.
 """
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,31 @@ _LOCK_NAME = re.compile(r"^(\d{6})_(barrier|cache)_filelock$")
 _MAPPED = re.compile(r"/dev/shm/(\d{6})_")
 # A file this young may belong to a run between creating and mapping it.
 GRACE_S = 2.0
+
+
+@contextlib.contextmanager
+def registering(leader: bool) -> Iterator[None]:
+    """Hold, in a launch's rank 0, the machine's lock on registering `streaming` datasets.
+
+    `streaming` picks a dataset's prefix as the first unused number, then creates its shared
+    memory under it: two launches picking at once on one machine both take the same number, and
+    the second one's rank fails with `FileExistsError: '/000055_locals'`. Every rank of a launch
+    does its own pick, so the lock must cover the whole launch's registration: its rank 0
+    (`leader`) takes it and the launch's other ranks pick between barriers inside its hold (the
+    caller's). On a launch's other machines, ranks pick unguarded, as without the lock. The
+    lock is `flock` on the folder the shared memory lives in (`/dev/shm`, else the temp folder):
+    machine-wide, nothing to create or leave behind, released if the process dies.
+    """
+    if not leader:
+        yield
+        return
+    folder = SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
+    fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _candidates() -> list[tuple[Path, re.Pattern[str]]]:
