@@ -60,7 +60,9 @@ def _kill_once_in_the_bucket(s3, pipeline: str, args: list[str]) -> tuple[str, i
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     steps = _bucket_steps(s3, pipeline, run_id)
-    assert steps and len(steps) <= 2  # keep_checkpoints: the bucket is pruned as well
+    # keep_checkpoints: the bucket is pruned as well, the oldest once the newest is up; a kill
+    # between the two (a loaded machine widens it) leaves one more, which the resume prunes.
+    assert steps and len(steps) <= 3
     return run_id, steps[-1]
 
 
@@ -113,6 +115,7 @@ def test_mlp_killed_resumes_on_another_machine_from_its_checkpoint_in_the_bucket
     # The resumed run's own checkpoints went up too, up to the last step.
     final = checkpoint.read_meta(checkpoint.latest_checkpoint(run_dir / "checkpoints"))["step"]
     assert _bucket_steps(s3, "mlp", run_id)[-1] == final == 300
+    assert len(_bucket_steps(s3, "mlp", run_id)) <= 2  # the leftover of the kill went too
     assert _new_tmp_entries_of(run_id, tmp_before) == []
 
 
