@@ -114,8 +114,9 @@ def test_mlp_killed_resumes_on_another_machine_from_its_checkpoint_in_the_bucket
     assert steps == sorted(set(range(5, steps[-1] + 1, 5)) | {steps[-1]})  # no gap
     # The resumed run's own checkpoints went up too, up to the last step.
     final = checkpoint.read_meta(checkpoint.latest_checkpoint(run_dir / "checkpoints"))["step"]
-    assert _bucket_steps(s3, "mlp", run_id)[-1] == final == 300
-    assert len(_bucket_steps(s3, "mlp", run_id)) <= 2  # the leftover of the kill went too
+    in_bucket = _bucket_steps(s3, "mlp", run_id)
+    assert in_bucket[-1] == final == 300
+    assert len(in_bucket) <= 2  # the leftover of the kill went too
     assert _new_tmp_entries_of(run_id, tmp_before) == []
 
 

@@ -426,13 +426,13 @@ def build_dataloader(
             "next run) rebuilds it"
         )
     _release_at_exit()
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    local_leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if local_leader:
         verify_cached_split(uri, split, stream_cache_dir(uri), manifest.get("hashes") or [])
     # One launch at a time registers its dataset's shared memory on this machine: rank 0 holds
     # the lock, and the barriers keep the other ranks' own picks of the prefix inside its hold.
-    first = int(os.environ.get("RANK", "0")) == 0
-    with registering(first):
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and config.clean_stale_shared_memory:
+    with registering(int(os.environ.get("RANK", "0")) == 0):
+        if local_leader and config.clean_stale_shared_memory:
             clean_stale_streaming_state()
         if dist.is_initialized():
             dist.barrier()
